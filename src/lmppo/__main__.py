@@ -1,0 +1,5 @@
+"""``python -m lmppo`` is the ``lmppo`` command."""
+
+from lmppo.cli import main
+
+main()

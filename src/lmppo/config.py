@@ -1,0 +1,275 @@
+"""Run configuration: pydantic models for every section, YAML loading and ``a.b=c`` overrides.
+
+Every default of the project lives here. Unknown keys are errors that name the nearest valid key;
+impossible values say what is allowed. ``load_config(path, overrides)`` is the one entry point.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from lmppo.errors import LmppoError
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(Section):
+    """LoRA adapters (peft) on a trained model; ``enabled: false`` trains all weights."""
+
+    enabled: bool = False
+    r: int = Field(8, gt=0, description="adapter rank")
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class ModelSource(Section):
+    """Where a model comes from: a local transformers directory, or a GGUF file inside it."""
+
+    path: str
+    gguf_file: str | None = Field(None, description="file name of a GGUF checkpoint inside `path`")
+    dtype: Dtype = "float32"
+    trust_remote_code: bool = False
+    chat_template: str | None = Field(None, description="Jinja template overriding the tokenizer's own")
+
+
+class ValueConfig(Section):
+    """The critic: a separate network, or a scalar head on the policy's backbone (``shared``)."""
+
+    mode: Literal["separate", "shared"] = "separate"
+    init_from: Literal["reward", "policy"] = Field("reward", description="backbone of a separate critic")
+    lora: LoraConfig = LoraConfig()
+
+
+class ModelsConfig(Section):
+    policy: ModelSource
+    policy_lora: LoraConfig = LoraConfig()
+    reference: ModelSource | None = Field(
+        None, description="defaults to the policy's starting weights (the adapter disabled with LoRA)"
+    )
+    value: ValueConfig = ValueConfig()
+
+
+class RewardConfig(Section):
+    """The reward: a learned reward model *or* a programmatic ``module:function``, plus preprocessing."""
+
+    model: ModelSource | None = None
+    function: str | None = Field(None, description="'module:function' taking (prompts, responses)")
+    batch_size: int = Field(16, gt=0)
+    max_length: int | None = Field(None, gt=0, description="truncate RM inputs (its own tokens)")
+    missing_eos_penalty: float | None = Field(None, description="added to the score of truncated rows")
+    clip: float | None = Field(None, gt=0, description="clip scores to [-clip, clip]")
+    normalize: bool = Field(False, description="running mean/std normalisation of scores")
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> RewardConfig:
+        if (self.model is None) == (self.function is None):
+            raise ValueError("set exactly one of reward.model (a reward model) or reward.function ('module:fn')")
+        return self
+
+
+class DataConfig(Section):
+    prompts: str = Field(description="JSONL file ({'prompt'} or {'messages'} per row) or a datasets dir")
+    eval_prompts: str | None = None
+    split: str | None = Field(None, description="split of a DatasetDict saved with save_to_disk")
+    shuffle: bool = True
+    raw_prompts: bool = Field(False, description="feed prompts as plain text, without a chat template")
+    max_prompt_length: int | None = Field(None, gt=0)
+    truncate_prompts: bool = Field(False, description="cut long prompts (from the left) instead of failing")
+    ptx_demonstrations: str | None = Field(None, description="JSONL of {prompt, response} for PPO-ptx")
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf"] = "hf"
+    batch_size: int = Field(16, gt=0, description="prompts per PPO step (global, all ranks)")
+    max_new_tokens: int = Field(32, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop_token_ids: list[int] = Field([], description="extra stop ids besides the tokenizer's EOS")
+    max_rollout_age: int = Field(0, ge=0, description="policy versions a rollout may lag before it is regenerated")
+    forward_batch_size: int | None = Field(None, gt=0, description="micro-batch of the stored passes")
+
+
+class PPOConfig(Section):
+    ppo_epochs: int = Field(4, gt=0)
+    minibatch_size: int = Field(16, gt=0)
+    micro_batch_size: int | None = Field(None, gt=0, description="gradient accumulation inside a minibatch")
+    clip_eps: float = Field(0.2, gt=0)
+    value_clip_eps: float = Field(0.2, gt=0)
+    vf_coef: float = Field(0.5, ge=0)
+    ent_coef: float = Field(0.0, ge=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    whiten_advantages: bool = True
+    target_approx_kl: float | None = Field(None, gt=0, description="stop the epochs when approx KL exceeds it")
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    lr: float = Field(1e-5, gt=0)
+    value_lr: float | None = Field(None, gt=0, description="defaults to lr")
+    weight_decay: float = Field(0.0, ge=0)
+    adam_eps: float = Field(1e-8, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    ptx_coef: float = Field(0.0, ge=0, description="weight of the SFT loss on data.ptx_demonstrations")
+    ptx_batch_size: int = Field(8, gt=0)
+
+    @model_validator(mode="after")
+    def _micro_batches_divide(self) -> PPOConfig:
+        if self.micro_batch_size is not None and self.minibatch_size % self.micro_batch_size:
+            raise ValueError(
+                f"ppo.micro_batch_size={self.micro_batch_size} must divide ppo.minibatch_size={self.minibatch_size}"
+            )
+        return self
+
+
+class KLConfig(Section):
+    estimator: Literal["k1", "k2", "k3"] = "k1"
+    beta: float = Field(0.05, ge=0, description="initial (or fixed) KL coefficient")
+    adaptive: bool = False
+    target: float = Field(6.0, gt=0, description="per-sequence KL the adaptive controller steers to")
+    horizon: float = Field(10000.0, gt=0, description="in samples: beta moves <= 20% per horizon samples")
+
+
+class GuardsConfig(Section):
+    """Abort rules checked every step; ``null`` turns a rule off (see docs/metrics.md for ranges)."""
+
+    enabled: bool = True
+    nonfinite_patience: int = Field(3, gt=0, description="consecutive steps with non-finite values")
+    value_loss_max: float | None = Field(1000.0, gt=0)
+    kl_max: float | None = Field(30.0, gt=0, description="kl/ref budget, nats per sequence")
+    entropy_min: float | None = Field(1e-3, ge=0, description="policy/entropy floor, nats per token")
+    length_min: float | None = Field(None, ge=0)
+    length_max: float | None = Field(None, gt=0)
+    eos_frac_min: float | None = Field(None, ge=0, le=1)
+    clip_frac_max: float | None = Field(0.5, gt=0, le=1)
+    max_policy_lag: int | None = Field(None, ge=0)
+    reward_without_eval_patience: int | None = Field(3, gt=0)
+    warmup_steps: int = Field(5, ge=0, description="rate and length rules start after this step")
+
+
+class RunConfig(Section):
+    output_dir: str = "runs/ppo"
+    steps: int = Field(100, gt=0, description="PPO steps (rollout + update) in the whole run")
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = Field(None, gt=0, description="torch CPU threads (default: all cores)")
+    checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = at the end only")
+    keep_last: int = Field(2, gt=0)
+    eval_every: int = Field(0, ge=0, description="steps between held-out evaluations; 0 = off")
+    eval_batch_size: int = Field(32, gt=0)
+
+
+class LoggingConfig(Section):
+    sinks: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl"]
+    quiet: bool = Field(False, description="plain log lines instead of a live progress display")
+    run_name: str | None = None
+
+
+class Config(Section):
+    models: ModelsConfig
+    reward: RewardConfig
+    data: DataConfig
+    rollout: RolloutConfig = RolloutConfig()
+    ppo: PPOConfig = PPOConfig()
+    kl: KLConfig = KLConfig()
+    guards: GuardsConfig = GuardsConfig()
+    run: RunConfig = RunConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _batches_fit(self) -> Config:
+        if self.ppo.minibatch_size > self.rollout.batch_size:
+            raise ValueError(
+                f"ppo.minibatch_size={self.ppo.minibatch_size} is larger than rollout.batch_size="
+                f"{self.rollout.batch_size}; it must be at most the batch"
+            )
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading, overrides and readable errors
+# --------------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> Config:
+    """Read a YAML file (or start from ``base``), apply ``section.key=value`` overrides, validate."""
+    raw: dict[str, Any] = copy.deepcopy(base or {})
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise LmppoError(f"config file {path} does not exist; pass the path of a YAML config")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise LmppoError(f"config file {path} is not valid YAML: {err}") from err
+        if not isinstance(raw, dict):
+            raise LmppoError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
+    for override in overrides:
+        apply_override(raw, override)
+    return validate_config(raw, source=str(path) if path else "config")
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Set ``a.b.c=value`` in a nested dict; the value is parsed as YAML (numbers, bools, lists)."""
+    key, sep, value = override.partition("=")
+    if not sep or not key:
+        raise LmppoError(f"override {override!r} is not of the form section.key=value")
+    *parents, leaf = key.strip().split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise LmppoError(f"override {override!r}: {part!r} is a value, not a section")
+    node[leaf] = yaml.safe_load(value)
+
+
+def validate_config(raw: dict[str, Any], source: str = "config") -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        problems = "\n".join(f"  - {_describe(e)}" for e in err.errors())
+        raise LmppoError(f"{source} is not a valid lmppo config:\n{problems}") from None
+
+
+def _describe(error: dict[str, Any]) -> str:
+    loc = [str(p) for p in error["loc"]]
+    where = ".".join(loc) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        valid = _valid_keys(loc[:-1])
+        near = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+        hint = f"did you mean {'.'.join(loc[:-1] + near)!r}?" if near else f"valid keys here: {', '.join(valid)}"
+        return f"unknown key {where!r}: {hint}"
+    if error["type"] == "missing":
+        return f"{where} is required"
+    if error["type"] == "value_error":  # our own cross-field checks: the message says it all
+        return error["msg"].removeprefix("Value error, ")
+    return f"{where}: {error['msg']} (got {error.get('input')!r})"
+
+
+def _valid_keys(loc: list[str]) -> list[str]:
+    """Field names of the section at ``loc`` (following nested sections and optional sections)."""
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        candidates = [field.annotation, *getattr(field.annotation, "__args__", ())]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return []
+    return list(model.model_fields)

@@ -1,0 +1,332 @@
+"""The PPO-for-language-models math: pure tensor functions, no models, files or config.
+
+Conventions (see docs/core.md for the formulas with a worked example):
+- Per-token tensors are ``(B, L)``. In a rollout ``L`` is the response length ``R`` and position ``t``
+  is response token ``t``; the functions work on any layout (e.g. the seeds' ``(B, T-1)``) given a mask.
+- ``mask`` / ``response_mask`` is ``(B, L)``, 1 where a position counts. A masked position never changes
+  a result, whatever it holds (padding garbage, ``inf``, ``nan``): values are selected with
+  ``torch.where``, never multiplied by the mask. An all-masked batch gives 0, never a division by zero.
+- Statistics accumulate in float32 and are returned in the input dtype.
+- ``group``: an optional ``torch.distributed`` process group; when given, sums and counts are
+  all-reduced over it so means, variances and whitening use every rank's tokens (global statistics).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Masked reductions (global over a process group when one is given)
+# --------------------------------------------------------------------------------------------------
+
+
+def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def _sum_and_count(x: torch.Tensor, mask: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``(sum of x over mask, number of masked-in positions)``, reduced over ``group``."""
+    keep = mask.bool()
+    stats = torch.stack([torch.where(keep, x.float(), 0.0).sum(), keep.sum().float()])  # one all-reduce
+    stats = _all_reduce_sum(stats, group)
+    return stats[0], stats[1]
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum of ``x`` over positions where ``mask`` is 1. ``x``, ``mask``: (B, L) -> scalar."""
+    total, _ = _sum_and_count(x, mask, group)
+    return total.to(x.dtype)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Mean of ``x`` over the mask; 0 when nothing is masked in. (B, L) -> scalar."""
+    total, count = _sum_and_count(x, mask, group)
+    return (total / count.clamp(min=1.0)).to(x.dtype)
+
+
+def masked_var(
+    x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Variance of ``x`` over the mask (Bessel-corrected when ``unbiased``); 0 with fewer than 2 entries.
+
+    (B, L) -> scalar. Two passes (mean, then squared deviations) for accuracy.
+    """
+    total, count = _sum_and_count(x, mask, group)
+    mean = total / count.clamp(min=1.0)
+    sq_dev, _ = _sum_and_count((x.float() - mean) ** 2, mask, group)
+    dof = count - 1.0 if unbiased else count
+    var = torch.where(count > 1.0, sq_dev / dof.clamp(min=1.0), torch.zeros_like(sq_dev))
+    return var.to(x.dtype)
+
+
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    group: dist.ProcessGroup | None = None,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """``(x - mean) / (std + eps)`` with mean and (population) std over the mask; 0 where masked.
+
+    With ``shift_mean=False`` the mean is added back (only the scale changes). (B, L) -> (B, L).
+    Population std, as in the seeds; with a process group the statistics are over all ranks' tokens.
+    """
+    mean = masked_mean(x.float(), mask, group)
+    std = masked_var(x.float(), mask, unbiased=False, group=group).sqrt()
+    whitened = (x.float() - mean) / (std + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, 0.0).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Log-probs, entropy, KL estimators
+# --------------------------------------------------------------------------------------------------
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[labels]`` per position. ``logits`` (B, L, V), ``labels`` (B, L) -> (B, L).
+
+    Gathers the label logit and subtracts ``logsumexp`` instead of building a (B, L, V) log-softmax.
+    Computed in float32 (bf16 log-probs are too coarse for importance ratios).
+    """
+    logits = logits.float()
+    label_logits = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (B, L)
+    return label_logits - torch.logsumexp(logits, dim=-1)  # (B, L)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` per position. (B, L, V) -> (B, L).
+
+    ``H = logsumexp(z) - sum_v p_v z_v``: one extra (B, L, V) tensor (the probabilities) at a time.
+    """
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)  # (B, L, V)
+    return torch.logsumexp(logits, dim=-1) - torch.einsum("blv,blv->bl", probs, logits)
+
+
+def masked_entropy(logits: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Mean policy entropy over response positions. ``logits`` (B, L, V), mask (B, L) -> scalar."""
+    return masked_mean(token_entropy(logits), response_mask)
+
+
+def kl_estimate(logp: torch.Tensor, logp_ref: torch.Tensor, kind: KLEstimator = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from ``pi``. (B, L) -> (B, L).
+
+    With ``log_ratio = logp - logp_ref``:
+    - ``k1 = log_ratio``: unbiased, signed per token (the seeds' default; it sums to the sequence KL).
+    - ``k2 = 0.5 * log_ratio**2``: low variance, biased.
+    - ``k3 = (ratio - 1) - log ratio`` with ``ratio = pi_ref / pi``: unbiased and >= 0 everywhere.
+    """
+    log_ratio = logp.float() - logp_ref.float()
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.expm1(-log_ratio) + log_ratio  # expm1 keeps precision near ratio = 1
+    raise ValueError(f"unknown KL estimator {kind!r}; use 'k1', 'k2' or 'k3'")
+
+
+def approx_kl(
+    logp_new: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Mean k3 estimate of KL(pi_old || pi_new) over the mask, for early-stopping PPO epochs.
+
+    Samples come from pi_old, so ``ratio = pi_new / pi_old`` and ``k3 = (ratio - 1) - log ratio``.
+    (B, L) -> scalar.
+    """
+    return masked_mean(kl_estimate(logp_old, logp_new, "k3"), mask, group)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rewards and advantages
+# --------------------------------------------------------------------------------------------------
+
+
+def last_response_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last position with ``response_mask == 1`` in each row (0 for an empty row).
+
+    (B, L) -> (B,) long.
+    """
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device)  # (L,)
+    return torch.where(response_mask.bool(), positions, -1).amax(dim=1).clamp(min=0)
+
+
+def shaped_rewards(
+    rm_score: torch.Tensor,
+    logp_old: torch.Tensor,
+    logp_ref: torch.Tensor,
+    response_mask: torch.Tensor,
+    beta: float,
+    estimator: KLEstimator = "k1",
+) -> torch.Tensor:
+    """Per-token reward ``r_t = -beta * KL_t`` on response tokens, plus ``rm_score`` on the last one.
+
+    Args:
+        rm_score: (B,) sequence score (reward model or programmatic reward).
+        logp_old: (B, L) log-probs of the sampled tokens under the sampling policy.
+        logp_ref: (B, L) log-probs of the same tokens under the frozen reference.
+        response_mask: (B, L) 1 on response tokens up to and including the first EOS.
+        beta: KL coefficient.
+        estimator: per-token KL estimator, see :func:`kl_estimate`.
+    Returns:
+        (B, L) rewards, zero outside the mask. A row with no response token gets no score.
+    """
+    keep = response_mask.bool()
+    kl_penalty = torch.where(keep, -beta * kl_estimate(logp_old, logp_ref, estimator), 0.0)  # (B, L)
+    last = last_response_index(response_mask)  # (B,)
+    has_response = keep.any(dim=1)  # (B,)
+    score = torch.where(has_response, rm_score.float(), 0.0)  # (B,)
+    return kl_penalty.index_put((torch.arange(len(last), device=last.device), last), score, accumulate=True)
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    bootstrap_value: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the masked positions only.
+
+    ``delta_t = r_t + gamma * V_next - V_t`` and ``A_t = delta_t + gamma * lam * A_next``, where
+    "next" is the next *masked-in* position of the row (masked positions are skipped, never read).
+    After a row's last response token ``V_next = bootstrap_value`` and ``A_next = 0``.
+
+    Args:
+        rewards: (B, L) per-token rewards.
+        values: (B, L) ``V(s_t)``, the value of the state before token ``t``.
+        response_mask: (B, L).
+        gamma, lam: discount and GAE lambda.
+        bootstrap_value: (B,) value of the state after the last response token: ``V`` of that state
+            for a truncated row, 0 for a row that ended with EOS. None means all zeros.
+    Returns:
+        ``(advantages, returns)``, each (B, L), ``returns = advantages + values``, zero outside the mask.
+    """
+    keep = response_mask.bool()
+    rewards32, values32 = rewards.float(), values.float()
+    batch, length = rewards.shape
+    next_value = torch.zeros(batch, device=rewards.device)
+    if bootstrap_value is not None:
+        next_value = next_value + bootstrap_value.float()
+    next_adv = torch.zeros(batch, device=rewards.device)
+    advantages = torch.zeros(batch, length, device=rewards.device)
+    for t in reversed(range(length)):  # one vectorised step per position; rows in parallel
+        m = keep[:, t]
+        delta = rewards32[:, t] + gamma * next_value - values32[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        next_adv = torch.where(m, adv_t, next_adv)
+        next_value = torch.where(m, values32[:, t], next_value)
+        advantages[:, t] = torch.where(m, adv_t, 0.0)
+    returns = torch.where(keep, advantages + values32, 0.0)
+    return advantages.to(rewards.dtype), returns.to(rewards.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Losses and diagnostics
+# --------------------------------------------------------------------------------------------------
+
+
+def ppo_clip_loss(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped surrogate ``-mean_t min(r_t A_t, clip(r_t, 1-eps, 1+eps) A_t)`` over the mask.
+
+    ``r_t = exp(logp_new - logp_old)`` is formed in log space. All inputs (B, L).
+    Returns ``(loss, clip_frac)``: token-level mean loss (scalar, differentiable) and the fraction of
+    masked tokens whose ratio left ``[1-eps, 1+eps]`` (scalar, detached).
+    """
+    keep = response_mask.bool()
+    log_ratio = torch.where(keep, logp_new.float() - logp_old.float(), 0.0)  # (B, L)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    loss = masked_mean(-torch.min(unclipped, clipped), response_mask)
+    clip_frac = masked_mean(((ratio - 1.0).abs() > clip_eps).float(), response_mask)
+    return loss, clip_frac.detach()
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_eps: float = 0.2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss ``0.5 * max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)``.
+
+    All inputs (B, L); token-level mean over the mask. Returns ``(loss, clip_frac)`` where
+    ``clip_frac`` is the fraction of masked tokens with ``|V - V_old| > eps`` (detached).
+    """
+    values32, old32, returns32 = values.float(), old_values.float(), returns.float()
+    v_clipped = old32 + torch.clamp(values32 - old32, -clip_eps, clip_eps)
+    per_token = 0.5 * torch.max((values32 - returns32) ** 2, (v_clipped - returns32) ** 2)
+    loss = masked_mean(per_token, response_mask)
+    clip_frac = masked_mean(((values32 - old32).abs() > clip_eps).float(), response_mask)
+    return loss, clip_frac.detach()
+
+
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """``1 - Var(returns - values) / Var(returns)`` over the mask; 0 when ``Var(returns)`` is 0.
+
+    1 is a perfect critic, 0 is no better than a constant, negative is worse. (B, L) -> scalar.
+    """
+    var_returns = masked_var(returns.float(), mask, unbiased=False, group=group)
+    var_residual = masked_var(returns.float() - values.float(), mask, unbiased=False, group=group)
+    return torch.where(var_returns > 0, 1.0 - var_residual / var_returns.clamp(min=1e-12), 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# KL coefficient controllers
+# --------------------------------------------------------------------------------------------------
+
+
+class FixedKLController:
+    """A constant KL coefficient ``beta``."""
+
+    def __init__(self, beta: float) -> None:
+        self.value = float(beta)
+
+    def update(self, kl: float, n_steps: int = 1) -> float:
+        return self.value
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController(FixedKLController):
+    """InstructGPT / Ziegler et al. proportional controller steering the measured KL to ``target``.
+
+    ``e = clip(kl / target - 1, -0.2, 0.2)`` and ``beta <- beta * (1 + e * n_steps / horizon)``:
+    KL above target raises beta by at most 20% per ``horizon`` steps, below target lowers it.
+    """
+
+    def __init__(self, beta: float, target: float, horizon: float) -> None:
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"AdaptiveKLController needs target > 0 and horizon > 0, got {target}, {horizon}")
+        super().__init__(beta)
+        self.target, self.horizon = float(target), float(horizon)
+
+    def update(self, kl: float, n_steps: int = 1) -> float:
+        error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+        return self.value

@@ -1,0 +1,346 @@
+"""lmppo.core against independent oracles: brute force, plain Python, Monte Carlo, the seeds' examples."""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmppo import core
+
+
+def ragged_mask(batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """A (B, L) response mask: each row 1 on a prefix of random length (at least one row non-empty)."""
+    lengths = torch.randint(0, length + 1, (batch,), generator=gen)
+    lengths[0] = max(int(lengths[0]), 1)
+    return (torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)).float()
+
+
+# --------------------------------------------------------------------------------------------------
+# Masked statistics
+# --------------------------------------------------------------------------------------------------
+
+
+def test_masked_stats_match_plain_statistics_of_the_kept_entries():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 9, generator=gen)
+    mask = ragged_mask(5, 9, gen)
+    kept = x[mask.bool()]
+    assert torch.allclose(core.masked_sum(x, mask), kept.sum())
+    assert torch.allclose(core.masked_mean(x, mask), kept.mean())
+    assert torch.allclose(core.masked_var(x, mask, unbiased=True), kept.var(unbiased=True))
+    assert torch.allclose(core.masked_var(x, mask, unbiased=False), kept.var(unbiased=False))
+    expected = (kept - kept.mean()) / (kept.std(unbiased=False) + 1e-8)
+    whitened = core.masked_whiten(x, mask)
+    assert torch.allclose(whitened[mask.bool()], expected, atol=1e-6)
+    assert torch.all(whitened[~mask.bool()] == 0)
+    unshifted = core.masked_whiten(x, mask, shift_mean=False)
+    assert torch.allclose(unshifted[mask.bool()], expected + kept.mean(), atol=1e-6)
+
+
+def test_padding_values_never_change_masked_statistics():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 7, generator=gen)
+    mask = ragged_mask(4, 7, gen)
+    garbage = x.clone()
+    garbage[~mask.bool()] = float("nan")
+    garbage[~mask.bool()][::2] = float("inf")
+    for fn in (core.masked_sum, core.masked_mean, core.masked_var):
+        assert torch.equal(fn(x, mask), fn(garbage, mask)), fn.__name__
+    assert torch.equal(core.masked_whiten(x, mask), core.masked_whiten(garbage, mask))
+
+
+def test_all_masked_batch_gives_zeros_not_nan():
+    x = torch.randn(3, 4)
+    empty = torch.zeros(3, 4)
+    for value in (core.masked_sum(x, empty), core.masked_mean(x, empty), core.masked_var(x, empty)):
+        assert value.item() == 0.0
+    assert torch.all(core.masked_whiten(x, empty) == 0)
+    assert core.explained_variance(x, x, empty).item() == 0.0
+    loss, clip = core.ppo_clip_loss(x, x, x, empty, 0.2)
+    assert loss.item() == 0.0 and clip.item() == 0.0
+    one_entry = torch.zeros(3, 4)
+    one_entry[0, 0] = 1.0
+    assert core.masked_var(x, one_entry).item() == 0.0  # a single entry has no (unbiased) variance
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 6),
+    length=st.integers(1, 12),
+    seed=st.integers(0, 10_000),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_masked_whiten_property(batch, length, seed, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(batch, length, generator=gen) * 3 + 1).to(dtype)
+    mask = ragged_mask(batch, length, gen)
+    out = core.masked_whiten(x, mask)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert torch.all(out[~mask.bool()] == 0)
+    kept = out[mask.bool()].float()
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    if kept.numel() > 1 and x[mask.bool()].float().std() > 1e-3:
+        assert abs(kept.mean().item()) < tol * max(1.0, kept.abs().max().item())
+        assert abs(kept.std(unbiased=False).item() - 1.0) < 10 * tol
+
+
+def _global_stats_worker(rank: int, world: int, port: int, shards, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    x, mask = shards[rank]
+    group = dist.group.WORLD
+    results[rank] = (
+        core.masked_mean(x, mask, group),
+        core.masked_var(x, mask, group=group),
+        core.masked_whiten(x, mask, group=group),
+        core.explained_variance(x * 0.5, x, mask, group=group),
+    )
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_global_statistics_over_two_ranks_equal_statistics_of_the_concatenation():
+    gen = torch.Generator().manual_seed(2)
+    # Shards with different widths and lengths, as ranks with different response lengths would have.
+    shards = [(torch.randn(3, 5, generator=gen), ragged_mask(3, 5, gen)),
+              (torch.randn(2, 8, generator=gen), ragged_mask(2, 8, gen))]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        port = 29500 + os.getpid() % 1000
+        mp.spawn(_global_stats_worker, args=(2, port, shards, results), nprocs=2, join=True)
+        results = dict(results)
+    kept = torch.cat([x[m.bool()] for x, m in shards])
+    expected_white = (kept - kept.mean()) / (kept.std(unbiased=False) + 1e-8)
+    whitened = torch.cat([results[r][2][shards[r][1].bool()] for r in range(2)])
+    for rank in range(2):
+        assert torch.allclose(results[rank][0], kept.mean(), atol=1e-6)
+        assert torch.allclose(results[rank][1], kept.var(), atol=1e-6)
+    assert torch.allclose(whitened, expected_white, atol=1e-5)
+    residual = kept * 0.5
+    assert torch.allclose(results[0][3], 1 - residual.var(unbiased=False) / kept.var(unbiased=False), atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Log-probs, entropy, KL
+# --------------------------------------------------------------------------------------------------
+
+
+def test_token_logprobs_and_entropy_match_log_softmax():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 5, 11, generator=gen) * 4
+    labels = torch.randint(0, 11, (2, 5), generator=gen)
+    logp = torch.log_softmax(logits, -1)
+    assert torch.allclose(core.token_logprobs(logits, labels), logp.gather(-1, labels[..., None])[..., 0], atol=1e-5)
+    assert torch.allclose(core.token_entropy(logits), -(logp.exp() * logp).sum(-1), atol=1e-5)
+    mask = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]).float()
+    expected = (-(logp.exp() * logp).sum(-1))[mask.bool()].mean()
+    assert torch.allclose(core.masked_entropy(logits, mask), expected, atol=1e-5)
+
+
+def test_kl_estimators_k3_nonnegative_and_k1_k3_share_expectation():
+    gen = torch.Generator().manual_seed(4)
+    logp, logp_ref = torch.randn(64, 32, generator=gen), torch.randn(64, 32, generator=gen)
+    assert torch.all(core.kl_estimate(logp, logp_ref, "k3") >= 0)
+    assert torch.allclose(core.kl_estimate(logp, logp_ref, "k2"), 0.5 * (logp - logp_ref) ** 2)
+    assert torch.all(core.kl_estimate(logp, logp, "k3") == 0)
+    with pytest.raises(ValueError, match="k1"):
+        core.kl_estimate(logp, logp_ref, "k4")
+    # Monte Carlo on a small categorical: both estimators are unbiased for KL(p || q) under samples of p.
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    q = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    exact = float((p * (p / q).log()).sum())
+    samples = torch.multinomial(p, 200_000, replacement=True, generator=gen)
+    logp_s, logq_s = p.log()[samples], q.log()[samples]
+    k1 = core.kl_estimate(logp_s, logq_s, "k1").mean().item()
+    k3 = core.kl_estimate(logp_s, logq_s, "k3").mean().item()
+    assert abs(k1 - exact) < 0.01 and abs(k3 - exact) < 0.01
+
+
+def test_approx_kl_is_k3_of_old_to_new():
+    logp_old = torch.tensor([[-1.0, -2.0, -0.5]])
+    logp_new = torch.tensor([[-1.2, -1.5, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    ratio = (logp_new - logp_old).exp()[:, :2]
+    expected = ((ratio - 1) - ratio.log()).mean()
+    assert torch.allclose(core.approx_kl(logp_new, logp_old, mask), expected)
+    assert core.approx_kl(logp_old, logp_old, mask).item() == 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Shaped rewards (the seeds' worked example, §1 of seeds/003)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("beta", "expected"), [
+    (0.1, [-0.02, 0.0, 0.10, 1.50]),
+    (0.2, [-0.04, 0.0, 0.20, 1.50]),
+])
+def test_seed_worked_example(beta, expected):
+    logp_old = torch.tensor([[-1.0, -0.5, -2.0, -0.1]])
+    logp_ref = torch.tensor([[-1.2, -0.5, -1.0, -0.1]])
+    mask = torch.ones(1, 4)
+    rewards = core.shaped_rewards(torch.tensor([1.5]), logp_old, logp_ref, mask, beta)
+    assert torch.allclose(rewards, torch.tensor([expected]), atol=1e-6)
+    assert math.isclose(rewards.sum().item(), 1.58 if beta == 0.1 else 1.66, abs_tol=1e-6)
+
+
+def test_shaped_rewards_places_score_and_kl():
+    logp_old = torch.tensor([[-1.0, -2.0, -3.0, 7.0], [-0.5, -0.5, 5.0, 5.0]])
+    logp_ref = torch.tensor([[-1.0, -1.0, -1.0, float("nan")], [-0.5, -1.5, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    score = torch.tensor([2.0, -1.0])
+    rewards = core.shaped_rewards(score, logp_old, logp_ref, mask, beta=0.5)
+    # Row 0: KL terms -0.5 * (0, -1, -2); score on index 2 (the last response token, not the first pad).
+    assert torch.allclose(rewards[0], torch.tensor([0.0, 0.5, 1.0 + 2.0, 0.0]))
+    # Row 1: KL terms -0.5 * (0, 1); score on index 1.
+    assert torch.allclose(rewards[1], torch.tensor([0.0, -0.5 - 1.0, 0.0, 0.0]))
+    # Where policy == reference the KL term vanishes and only the score remains.
+    same = core.shaped_rewards(score, logp_old, logp_old, mask, beta=0.5)
+    assert torch.allclose(same, torch.tensor([[0, 0, 2.0, 0], [0, -1.0, 0, 0]]))
+    # k3 penalties are never positive rewards.
+    k3 = core.shaped_rewards(torch.zeros(2), logp_old, logp_ref, mask, 0.5, estimator="k3")
+    assert torch.all(k3 <= 0)
+
+
+def test_last_response_index_rows_of_every_shape():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 1, 0]])
+    assert core.last_response_index(mask).tolist() == [2, 0, 3, 0, 2]
+    empty_row_reward = core.shaped_rewards(torch.tensor([5.0]), torch.zeros(1, 3), torch.zeros(1, 3),
+                                           torch.zeros(1, 3), 0.1)
+    assert torch.all(empty_row_reward == 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# GAE
+# --------------------------------------------------------------------------------------------------
+
+
+def brute_force_gae(rewards, values, mask, gamma, lam, bootstrap):
+    """Plain-Python oracle: for each row, A_t = sum_l (gamma*lam)^l delta_{t+l} over its response prefix."""
+    adv = torch.zeros_like(rewards)
+    for b in range(rewards.shape[0]):
+        n = int(mask[b].sum())
+        vals = [float(values[b, t]) for t in range(n)] + [float(bootstrap[b])]
+        deltas = [float(rewards[b, t]) + gamma * vals[t + 1] - vals[t] for t in range(n)]
+        for t in range(n):
+            adv[b, t] = sum((gamma * lam) ** l * deltas[t + l] for l in range(n - t))
+    return adv
+
+
+@pytest.mark.parametrize(("gamma", "lam"), [(1.0, 0.95), (0.9, 0.8), (1.0, 1.0), (0.99, 0.0)])
+def test_gae_matches_brute_force_and_mc_return(gamma, lam):
+    gen = torch.Generator().manual_seed(5)
+    rewards, values = torch.randn(6, 10, generator=gen), torch.randn(6, 10, generator=gen)
+    mask = ragged_mask(6, 10, gen)
+    bootstrap = torch.randn(6, generator=gen)
+    adv, ret = core.gae(rewards, values, mask, gamma, lam, bootstrap_value=bootstrap)
+    assert torch.allclose(adv, brute_force_gae(rewards, values, mask, gamma, lam, bootstrap), atol=1e-5)
+    assert torch.allclose(ret, (adv + values) * mask, atol=1e-6)
+    # lambda = gamma = 1 without bootstrap: A + V is the Monte-Carlo reward-to-go.
+    adv1, ret1 = core.gae(rewards * mask, values, mask, 1.0, 1.0)
+    reward_to_go = (rewards * mask).flip(1).cumsum(1).flip(1) * mask
+    assert torch.allclose(ret1, reward_to_go, atol=1e-5)
+    assert torch.allclose(adv1 + values * mask, reward_to_go, atol=1e-5)
+
+
+def test_gae_padding_never_leaks_and_bootstrap_only_for_truncated_rows():
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    values = torch.tensor([[0.1, 0.2, 0.3, 0.0], [0.5, 0.5, 0.5, 0.5]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    terminated = torch.tensor([True, False])
+    bootstrap = torch.where(terminated, 0.0, torch.tensor([99.0, 2.0]))  # row 0's 99 must not be used
+    adv, ret = core.gae(rewards, values, mask, 1.0, 1.0, bootstrap_value=bootstrap)
+    padded_values = values.clone()
+    padded_values[0, 3] = 1e30  # huge padding values change nothing
+    padded_rewards = rewards.clone()
+    padded_rewards[0, 3] = float("nan")
+    adv2, ret2 = core.gae(padded_rewards, padded_values, mask, 1.0, 1.0, bootstrap_value=bootstrap)
+    assert torch.equal(adv, adv2) and torch.equal(ret, ret2)
+    assert torch.allclose(ret[0], torch.tensor([1.0, 1.0, 1.0, 0.0]))  # terminated: return = reward-to-go
+    assert torch.allclose(ret[1], torch.full((4,), 2.0))  # truncated: the bootstrap value carries back
+    assert adv[0, 3] == 0 and ret[0, 3] == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Losses
+# --------------------------------------------------------------------------------------------------
+
+
+def test_ppo_clip_loss_gradient_and_clipping():
+    gen = torch.Generator().manual_seed(6)
+    logp_old = torch.randn(3, 5, generator=gen)
+    adv = torch.randn(3, 5, generator=gen)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]).float()
+    logp_new = logp_old.clone().requires_grad_(True)
+    loss, clip_frac = core.ppo_clip_loss(logp_new, logp_old, adv, mask, 0.2)
+    assert torch.allclose(loss, -adv[mask.bool()].mean()) and clip_frac.item() == 0.0
+    loss.backward()
+    # At ratio 1 the gradient is the vanilla policy gradient: -A_t / (number of response tokens).
+    assert torch.allclose(logp_new.grad, -adv * mask / mask.sum(), atol=1e-7)
+
+    def grad_at(log_ratio: float, advantage: float) -> float:
+        lp = torch.tensor([[log_ratio]], requires_grad=True)
+        loss, _ = core.ppo_clip_loss(lp, torch.zeros(1, 1), torch.tensor([[advantage]]), torch.ones(1, 1), 0.2)
+        loss.backward()
+        return lp.grad.item()
+
+    up, down = math.log(1.5), math.log(0.5)
+    assert grad_at(up, 1.0) == 0.0  # pushed past 1+eps in the advantage's direction: clipped
+    assert grad_at(down, -1.0) == 0.0  # pushed below 1-eps with negative advantage: clipped
+    assert grad_at(down, 1.0) < 0.0  # wrong direction is never clipped: the step can be undone
+    assert grad_at(up, -1.0) > 0.0
+    _, frac = core.ppo_clip_loss(torch.tensor([[up, 0.0, down, 5.0]]), torch.zeros(1, 4),
+                                 torch.ones(1, 4), torch.tensor([[1.0, 1.0, 1.0, 0.0]]), 0.2)
+    assert math.isclose(frac.item(), 2 / 3, rel_tol=1e-6)
+
+
+def test_value_loss_clipping():
+    old = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
+    returns = torch.tensor([[1.0, 1.0, -1.0, 0.0]])
+    values = torch.tensor([[0.5, 0.1, 0.5, 100.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    loss, clip_frac = core.value_loss(values, old, returns, mask, clip_eps=0.2)
+    # Token 0: max((0.5-1)^2, (0.2-1)^2) = 0.64; token 1: unclipped 0.81; token 2: max(2.25, 1.44) = 2.25.
+    assert torch.allclose(loss, torch.tensor(0.5 * (0.64 + 0.81 + 2.25) / 3))
+    assert math.isclose(clip_frac.item(), 2 / 3, rel_tol=1e-6)
+    loss.backward()
+    # Token 0's clipped branch wins: no gradient; token 2's unclipped branch wins: gradient flows.
+    assert values.grad[0, 0] == 0 and values.grad[0, 1] != 0 and values.grad[0, 2] != 0 and values.grad[0, 3] == 0
+
+
+def test_explained_variance():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 50.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert torch.allclose(core.explained_variance(returns, returns, mask), torch.tensor(1.0))
+    assert torch.allclose(core.explained_variance(torch.full_like(returns, 2.0), returns, mask), torch.tensor(0.0))
+    assert core.explained_variance(-returns, returns, mask).item() < 0
+
+
+# --------------------------------------------------------------------------------------------------
+# KL controllers
+# --------------------------------------------------------------------------------------------------
+
+
+def test_kl_controller_moves_beta_toward_target():
+    ctl = core.AdaptiveKLController(beta=0.1, target=6.0, horizon=10)
+    assert math.isclose(ctl.update(12.0), 0.1 * (1 + 0.2 / 10))  # error clipped at +0.2
+    assert math.isclose(ctl.update(6.0), 0.1 * (1 + 0.2 / 10))  # on target: unchanged
+    before = ctl.value
+    assert math.isclose(ctl.update(3.0, n_steps=2), before * (1 - 0.2 * 2 / 10))  # error clipped at -0.2
+    # Repeated feedback from a system whose KL falls as beta rises converges toward the target.
+    ctl = core.AdaptiveKLController(beta=0.01, target=4.0, horizon=5)
+    for _ in range(400):
+        ctl.update(0.4 / ctl.value)  # KL = 0.4 / beta: the target is reached at beta = 0.1
+    assert math.isclose(ctl.value, 0.1, rel_tol=0.02)
+    fixed = core.FixedKLController(0.05)
+    assert fixed.update(100.0) == 0.05
+    restored = core.AdaptiveKLController(1.0, 4.0, 5)
+    restored.load_state_dict(ctl.state_dict())
+    assert restored.value == ctl.value
+    with pytest.raises(ValueError):
+        core.AdaptiveKLController(0.1, 0.0, 10)
