@@ -1,0 +1,122 @@
+"""Prompt and demonstration data: JSONL files or ``datasets`` directories, and a resumable prompt stream.
+
+A prompt is either a string (rendered as one user turn) or a chat ``messages`` list
+``[{"role": ..., "content": ...}, ...]``; both are rendered later with the tokenizer's own template.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from lmppo.errors import LmppoError
+
+Prompt = Union[str, list[dict[str, str]]]
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a JSONL file (blank lines skipped); a bad line is an error naming its number."""
+    path = Path(path)
+    if not path.is_file():
+        raise LmppoError(f"data file {path} does not exist")
+    rows = []
+    with path.open() as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise LmppoError(f"{path}, line {line_no}: not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise LmppoError(f"{path}, line {line_no}: each line must be a JSON object")
+            rows.append(row)
+    return rows
+
+
+def _rows(path: str | Path, split: str | None) -> list[dict[str, Any]]:
+    """Rows of a JSONL file or of a dataset saved with ``datasets``' ``save_to_disk``."""
+    path = Path(path)
+    if path.is_dir():
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if split is None or split not in ds:
+                raise LmppoError(f"{path} holds splits {list(ds)}; choose one with data.split")
+            ds = ds[split]
+        return [dict(row) for row in ds]
+    return read_jsonl(path)
+
+
+def prompt_of_row(row: dict[str, Any], where: str) -> Prompt:
+    """The prompt of one row: ``prompt`` (string or messages) or ``messages``; else an error naming ``where``."""
+    prompt = row.get("prompt", row.get("messages"))
+    if isinstance(prompt, str) and prompt.strip():
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt):
+        return prompt
+    raise LmppoError(
+        f"{where} has no prompt: each row needs a non-empty 'prompt' string or a 'messages' list of "
+        f"{{'role', 'content'}} turns (keys found: {sorted(row)})"
+    )
+
+
+def load_prompts(path: str | Path, split: str | None = None) -> list[Prompt]:
+    rows = _rows(path, split)
+    if not rows:
+        raise LmppoError(f"{path} holds no prompts")
+    return [prompt_of_row(row, f"{path}, row {i + 1}") for i, row in enumerate(rows)]
+
+
+def load_demonstrations(path: str | Path) -> list[tuple[Prompt, str]]:
+    """``(prompt, response)`` pairs for SFT and PPO-ptx; rows need a prompt and a ``response`` string."""
+    pairs = []
+    for i, row in enumerate(read_jsonl(path)):
+        where = f"{path}, row {i + 1}"
+        response = row.get("response")
+        if not isinstance(response, str):
+            raise LmppoError(f"{where} has no 'response' string (keys found: {sorted(row)})")
+        pairs.append((prompt_of_row(row, where), response))
+    return pairs
+
+
+class PromptStream:
+    """Batches of prompts, reshuffled each epoch from ``seed + epoch``; resumable from ``(epoch, cursor)``.
+
+    With several ranks every rank walks the same global order and takes its own slice of each global
+    batch, so the union over ranks of one step is the batch a single process would take.
+    """
+
+    def __init__(self, prompts: list[Prompt], batch_size: int, *, shuffle: bool, seed: int,
+                 rank: int = 0, world_size: int = 1) -> None:
+        if batch_size % world_size:
+            raise LmppoError(f"rollout.batch_size={batch_size} must be divisible by the {world_size} ranks")
+        if batch_size > len(prompts):
+            raise LmppoError(f"rollout.batch_size={batch_size} is larger than the {len(prompts)} prompts")
+        self.prompts, self.batch_size, self.shuffle, self.seed = prompts, batch_size, shuffle, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.cursor = 0, 0
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.prompts)))
+        return torch.randperm(len(self.prompts), generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+
+    def next_batch(self) -> list[Prompt]:
+        """This rank's share of the next global batch (a short tail of an epoch is skipped)."""
+        if self.cursor + self.batch_size > len(self.prompts):
+            self.epoch, self.cursor = self.epoch + 1, 0
+        order = self._order()[self.cursor : self.cursor + self.batch_size]
+        self.cursor += self.batch_size
+        per_rank = self.batch_size // self.world_size
+        return [self.prompts[i] for i in order[self.rank * per_rank : (self.rank + 1) * per_rank]]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])

@@ -1,0 +1,72 @@
+"""Config: YAML round-trip, overrides, and every validation error saying what is allowed."""
+
+import pytest
+import yaml
+
+from lmppo.config import Config, load_config
+from lmppo.errors import LmppoError
+
+BASE = {
+    "models": {"policy": {"path": "policy_dir"}},
+    "reward": {"function": "lmppo.scoring:count_good"},
+    "data": {"prompts": "prompts.jsonl"},
+}
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(base=BASE, overrides=["ppo.lr=3e-4", "rollout.stop_token_ids=[5, 7]", "kl.adaptive=true"])
+    path = tmp_path / "config.yaml"
+    path.write_text(cfg.to_yaml())
+    again = load_config(path)
+    assert again == cfg
+    assert again.ppo.lr == 3e-4 and again.rollout.stop_token_ids == [5, 7] and again.kl.adaptive is True
+
+
+def test_defaults_live_in_the_config():
+    cfg = load_config(base=BASE)
+    assert (cfg.ppo.gamma, cfg.ppo.lam, cfg.ppo.clip_eps, cfg.kl.estimator) == (1.0, 0.95, 0.2, "k1")
+    assert cfg.models.reference is None and cfg.models.value.mode == "separate"
+
+
+def test_overrides_do_not_mutate_the_base():
+    load_config(base=BASE, overrides=["models.policy.dtype=bfloat16"])
+    assert "dtype" not in BASE["models"]["policy"]
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("ppo.lrr=1", "did you mean 'ppo.lr'"),
+    ("rolout.batch_size=4", "did you mean 'rollout'"),
+    ("models.policy.dtyp=float32", "did you mean 'models.policy.dtype'"),
+    ("ppo.lr=-1", "ppo.lr: Input should be greater than 0"),
+    ("ppo.clip_eps=0", "ppo.clip_eps: Input should be greater than 0"),
+    ("ppo.gamma=1.5", "ppo.gamma: Input should be less than or equal to 1"),
+    ("ppo.minibatch_size=64", "larger than rollout.batch_size=16"),
+    ("ppo.micro_batch_size=5", "must divide ppo.minibatch_size"),
+    ("reward.model.path=rm_dir", "set exactly one of reward.model"),
+    ("kl.estimator=k9", "kl.estimator"),
+    ("ppo", "not of the form section.key=value"),
+    ("models.policy.path.x=1", "is a value, not a section"),
+])
+def test_validation_errors_are_helpful(override, message):
+    with pytest.raises(LmppoError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(base=BASE, overrides=[override])
+
+
+def test_missing_section_and_file_errors(tmp_path):
+    with pytest.raises(LmppoError, match="data is required"):
+        load_config(base={k: v for k, v in BASE.items() if k != "data"})
+    with pytest.raises(LmppoError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [unclosed")
+    with pytest.raises(LmppoError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text(yaml.safe_dump([1, 2]))
+    with pytest.raises(LmppoError, match="mapping of sections"):
+        load_config(bad)
+
+
+def test_config_schema_is_strict_at_every_level():
+    for section in Config.model_fields:
+        with pytest.raises(LmppoError, match="unknown key"):
+            load_config(base=BASE, overrides=[f"{section}.no_such_key=1"])
