@@ -1,0 +1,454 @@
+"""Checkpoints: all of a run's state, written atomically and verified on load. No pickle anywhere.
+
+``RUN_DIR/checkpoints/step-000010/`` holds one ``<group>.safetensors`` per tensor group (``policy``,
+``value``, ``optimizer``, ``rng``, ...), ``state.json`` (everything that is not a tensor) and
+``manifest.json`` (step, tag, creation time, resolved config, model identities, package versions,
+world size, and sha256 + size of every other file). ``RUN_DIR/checkpoints/latest`` names the newest
+complete checkpoint. See docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+import lmppo
+from lmppo.errors import LmppoError
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+STATE_FILE = "state.json"
+MANIFEST_FILE = "manifest.json"
+TENSOR_SUFFIX = ".safetensors"
+TAGS = ("ok", "aborted", "interrupted")
+FORMAT_VERSION = 1
+REQUIRED_MANIFEST_KEYS = ("config", "identities", "world_size")
+# Config keys a resumed run may change without --allow-config-change (dotted prefixes).
+RESUMABLE_KEYS = (
+    "run.steps",
+    "run.output_dir",
+    "run.checkpoint_every",
+    "run.keep_last",
+    "run.eval_every",
+    "run.eval_batch_size",
+    "run.threads",
+    "logging",
+    "guards",
+)
+_TMP_PREFIX = ".tmp-"  # in-progress saves and deletions: never matches a checkpoint name
+_CHECKPOINT_NAME = re.compile(r"step-(\d+)")
+_GROUP_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+@dataclass
+class Checkpoint:
+    """A loaded, verified checkpoint. ``tensors`` maps group (file stem) to its tensors."""
+
+    tensors: dict[str, dict[str, torch.Tensor]]
+    state: dict
+    manifest: dict
+    path: Path
+
+    @property
+    def step(self) -> int:
+        return self.manifest["step"]
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Nested state (optimizer, scheduler) as tensors + a JSON skeleton
+# --------------------------------------------------------------------------------------------------
+
+
+def flatten_state(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a nested state (dicts, lists, tuples, tensors, JSON scalars) into tensors and a skeleton.
+
+    The skeleton is JSON-able: dicts become ``{"dict": [[key, value], ...]}`` (keeps int keys such as
+    an optimizer's parameter ids), tuples ``{"tuple": [...]}``, tensors ``{"tensor": name}`` where
+    ``name`` is the tensor's path, e.g. ``state/0/exp_avg``. :func:`unflatten_state` inverts it.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any, path: tuple[str, ...]) -> Any:
+        where = "/".join(path)
+        if isinstance(node, torch.Tensor):
+            if where in tensors:
+                raise ValueError(f"two entries of the state flatten to the same name {where!r}")
+            tensors[where] = node
+            return {"tensor": where}
+        if isinstance(node, dict):
+            for key in node:
+                if not (key is None or isinstance(key, (str, int, float))):
+                    raise TypeError(f"state key {key!r} at {where or '(root)'} is not a JSON scalar")
+            return {"dict": [[k, walk(v, (*path, str(k)))] for k, v in node.items()]}
+        if isinstance(node, tuple):
+            return {"tuple": [walk(v, (*path, str(i))) for i, v in enumerate(node)]}
+        if isinstance(node, list):
+            return [walk(v, (*path, str(i))) for i, v in enumerate(node)]
+        if node is None or isinstance(node, (str, int, float)):
+            return node
+        raise TypeError(f"cannot store a {type(node).__name__} at {where or '(root)'} without pickle")
+
+    return tensors, walk(obj, ())
+
+
+def unflatten_state(tensors: dict[str, torch.Tensor], skeleton: Any) -> Any:
+    """Rebuild what :func:`flatten_state` split."""
+    if isinstance(skeleton, list):
+        return [unflatten_state(tensors, s) for s in skeleton]
+    if isinstance(skeleton, dict):
+        ((kind, body),) = skeleton.items()
+        if kind == "tensor":
+            return tensors[body]
+        if kind == "tuple":
+            return tuple(unflatten_state(tensors, s) for s in body)
+        return {key: unflatten_state(tensors, value) for key, value in body}
+    return skeleton
+
+
+# --------------------------------------------------------------------------------------------------
+# RNG state
+# --------------------------------------------------------------------------------------------------
+
+
+def capture_rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(json_part, tensors)`` of python ``random``, numpy's global RNG, torch CPU and every CUDA device."""
+    version, internal, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    json_part = {
+        "python": [version, list(internal), gauss_next],
+        "numpy": [kind, keys.tolist(), pos, has_gauss, cached_gaussian],
+    }
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors |= {f"cuda_{i}": state for i, state in enumerate(torch.cuda.get_rng_state_all())}
+    return json_part, tensors
+
+
+def restore_rng_state(json_part: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Inverse of :func:`capture_rng_state`. CUDA states are restored on the devices present."""
+    version, internal, gauss_next = json_part["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    kind, keys, pos, has_gauss, cached_gaussian = json_part["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached_gaussian))
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        for device in range(torch.cuda.device_count()):
+            if f"cuda_{device}" in tensors:
+                torch.cuda.set_rng_state(tensors[f"cuda_{device}"], device)
+
+
+# --------------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------------
+
+
+def package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": platform.python_version(), "lmppo": lmppo.__version__}
+    for package in ("torch", "transformers", "peft"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _synced_file_record(path: Path) -> dict[str, Any]:
+    """fsync ``path`` and return its manifest entry."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return {"sha256": digest, "bytes": path.stat().st_size}
+
+
+def _storable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU and contiguous, and no two entries sharing memory (safetensors refuses tied weights)."""
+    out, seen = {}, set()
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return out
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or directory; a directory is first renamed out of sight so that a crash during
+    the deletion never leaves a partial checkpoint under a checkpoint's name."""
+    if path.is_dir():
+        hidden = path.with_name(f"{_TMP_PREFIX}del-{path.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(path, hidden)
+        shutil.rmtree(hidden)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _write_checkpoint_files(
+    directory: Path, step: int, tensors: dict, state: dict, manifest: dict, tag: str
+) -> None:
+    for group, group_tensors in tensors.items():
+        if not _GROUP_NAME.fullmatch(group):
+            raise ValueError(f"tensor group name {group!r} must match {_GROUP_NAME.pattern}")
+        save_file(_storable(group_tensors), directory / f"{group}{TENSOR_SUFFIX}")
+    _write_synced(directory / STATE_FILE, json.dumps(state, indent=1))
+    files = {path.name: _synced_file_record(path) for path in sorted(directory.iterdir())}
+    full_manifest = {
+        **manifest,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "tag": tag,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "versions": package_versions(),
+        "files": files,
+    }
+    _write_synced(directory / MANIFEST_FILE, json.dumps(full_manifest, indent=1))  # written last
+    _fsync_dir(directory)
+
+
+def save_checkpoint(
+    checkpoints_dir: str | Path,
+    step: int,
+    *,
+    tensors: dict[str, dict[str, torch.Tensor]],
+    state: dict,
+    manifest: dict,
+    tag: str = "ok",
+    keep_last: int,
+) -> Path:
+    """Write ``checkpoints_dir/step-NNNNNN`` atomically, point ``latest`` at it, prune old ones.
+
+    ``manifest`` must hold ``config`` (resolved, JSON-able), ``identities`` (the four models) and
+    ``world_size``; step, tag, time, versions and file hashes are added here. ``keep_last``: keep the
+    newest K checkpoints plus the newest ``ok`` one. Re-saving an existing step replaces it.
+    """
+    if tag not in TAGS:
+        raise ValueError(f"checkpoint tag {tag!r} must be one of {TAGS}")
+    missing = [key for key in REQUIRED_MANIFEST_KEYS if key not in manifest]
+    if missing:
+        raise ValueError(f"checkpoint manifest lacks {missing}")
+    checkpoints_dir = Path(checkpoints_dir)
+    checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    final = checkpoints_dir / checkpoint_name(step)
+    staging = checkpoints_dir / f"{_TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        _write_checkpoint_files(staging, step, tensors, state, manifest, tag)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if final.exists():
+        _remove(final)
+    os.rename(staging, final)
+    _fsync_dir(checkpoints_dir)
+    _point_latest_at(checkpoints_dir, final.name)  # last: the checkpoint is now committed
+    _prune(checkpoints_dir, keep_last, just_saved=final)
+    return final
+
+
+def _point_latest_at(checkpoints_dir: Path, name: str) -> None:
+    tmp = checkpoints_dir / f"{_TMP_PREFIX}{LATEST_FILE}-{uuid.uuid4().hex[:8]}"
+    _write_synced(tmp, name + "\n")
+    os.replace(tmp, checkpoints_dir / LATEST_FILE)
+    _fsync_dir(checkpoints_dir)
+
+
+def _prune(checkpoints_dir: Path, keep_last: int, just_saved: Path) -> None:
+    """Keep the ``keep_last`` highest steps, the newest ``ok`` one and the one just saved (a run resumed
+    from an older checkpoint saves below the abandoned attempt's steps); clear leftover temp files."""
+    for leftover in checkpoints_dir.glob(f"{_TMP_PREFIX}*"):
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+    checkpoints = _checkpoint_dirs(checkpoints_dir)
+    keep = {*checkpoints[-keep_last:], _newest_complete(checkpoints_dir, tag="ok"), just_saved}
+    for path in checkpoints:
+        if path not in keep:
+            _remove(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding and loading
+# --------------------------------------------------------------------------------------------------
+
+
+def _checkpoint_dirs(checkpoints_dir: Path) -> list[Path]:
+    """Directories named like a checkpoint, oldest first (temp dirs never match)."""
+    if not checkpoints_dir.is_dir():
+        return []
+    found = [p for p in checkpoints_dir.iterdir() if p.is_dir() and _CHECKPOINT_NAME.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(_CHECKPOINT_NAME.fullmatch(p.name)[1]))
+
+
+def _read_manifest(path: Path) -> dict | None:
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else None
+
+
+def _file_problem(path: Path, record: dict) -> str | None:
+    """Why ``path`` does not match its manifest entry, or None when it does."""
+    if not path.is_file():
+        return "is missing"
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        return f"has {size} bytes where the manifest says {record['bytes']} (truncated or overwritten)"
+    with open(path, "rb") as f:
+        if hashlib.file_digest(f, "sha256").hexdigest() != record["sha256"]:
+            return "does not match its sha256 in the manifest (corrupted)"
+    return None
+
+
+def _is_complete(path: Path) -> dict | None:
+    """The manifest when every file it lists is present with its size (cheap: no hashing)."""
+    manifest = _read_manifest(path)
+    if manifest is None:
+        return None
+    for name, record in manifest["files"].items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != record.get("bytes"):
+            return None
+    return manifest
+
+
+def _newest_complete(
+    checkpoints_dir: Path, tag: str | None = None, exclude: Path | None = None
+) -> Path | None:
+    for path in reversed(_checkpoint_dirs(checkpoints_dir)):
+        manifest = _is_complete(path) if path != exclude else None
+        if manifest is not None and (tag is None or manifest.get("tag") == tag):
+            return path
+    return None
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint ``latest`` points at; the newest complete one if the pointer is damaged."""
+    checkpoints_dir = Path(run_dir) / CHECKPOINTS_DIR
+    try:
+        pointed = checkpoints_dir / (checkpoints_dir / LATEST_FILE).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        pointed = None
+    if pointed is not None and _CHECKPOINT_NAME.fullmatch(pointed.name) and _is_complete(pointed):
+        return pointed
+    return _newest_complete(checkpoints_dir)
+
+
+def last_good_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint tagged ``ok`` (the last-known-good state of the run)."""
+    return _newest_complete(Path(run_dir) / CHECKPOINTS_DIR, tag="ok")
+
+
+def _damaged(path: Path, problem: str) -> LmppoError:
+    alternative = _newest_complete(path.parent, tag="ok", exclude=path) or _newest_complete(
+        path.parent, exclude=path
+    )
+    advice = (
+        f"resume from {alternative} instead"
+        if alternative
+        else f"no other intact checkpoint is in {path.parent}; start the run again"
+    )
+    return LmppoError(f"checkpoint {path} is damaged: {problem}; {advice}")
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Load a checkpoint after verifying every file against the manifest's sha256 and size."""
+    path = Path(path)
+    if not path.is_dir():
+        raise LmppoError(f"no checkpoint at {path}: expected a directory like {CHECKPOINTS_DIR}/step-000010")
+    manifest = _read_manifest(path)
+    if manifest is None:
+        raise _damaged(path, f"{MANIFEST_FILE} is missing or unreadable")
+    for name, record in manifest["files"].items():
+        problem = _file_problem(path / name, record)
+        if problem:
+            raise _damaged(path, f"{name} {problem}")
+    tensors = {
+        name.removesuffix(TENSOR_SUFFIX): load_file(path / name)
+        for name in manifest["files"]
+        if name.endswith(TENSOR_SUFFIX)
+    }
+    state = json.loads((path / STATE_FILE).read_text())
+    return Checkpoint(tensors=tensors, state=state, manifest=manifest, path=path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Resume compatibility
+# --------------------------------------------------------------------------------------------------
+
+_ABSENT = object()
+
+
+def _dotted(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and empty dicts are leaves."""
+    if isinstance(obj, dict) and obj:
+        return {k: v for key, value in obj.items() for k, v in _dotted(value, f"{prefix}{key}.").items()}
+    return {prefix.removesuffix("."): obj}
+
+
+def _resumable(key: str) -> bool:
+    inner = key.removeprefix("config.")
+    return inner != key and any(inner == r or inner.startswith(r + ".") for r in RESUMABLE_KEYS)
+
+
+def check_compatible(
+    manifest: dict, config: dict, identities: dict, allow_mismatch: bool, world_size: int | None = None
+) -> list[str]:
+    """Differences between a checkpoint and the run resuming it, as ``key: checkpoint X, now Y`` lines.
+
+    Compares the resolved config (except :data:`RESUMABLE_KEYS`), the model identities and, when
+    given, the world size. Differences are an error unless ``allow_mismatch``
+    (``--allow-config-change``); then they are returned for the trainer to record.
+    """
+    saved = {"config": manifest["config"], "identities": manifest["identities"]}
+    now = json.loads(json.dumps({"config": config, "identities": identities}))  # tuples -> lists, as saved
+    if world_size is not None:
+        saved["world_size"], now["world_size"] = manifest["world_size"], world_size
+    saved, now = _dotted(saved), _dotted(now)
+    differences = [
+        f"{key}: checkpoint {_show(saved.get(key, _ABSENT))}, now {_show(now.get(key, _ABSENT))}"
+        for key in sorted(saved.keys() | now.keys())
+        if not _resumable(key) and saved.get(key, _ABSENT) != now.get(key, _ABSENT)
+    ]
+    if differences and not allow_mismatch:
+        lines = "\n".join(f"  - {d}" for d in differences)
+        raise LmppoError(
+            f"cannot resume: this run differs from the checkpoint it resumes:\n{lines}\n"
+            "Pass --allow-config-change to resume anyway (the differences are recorded in the run)."
+        )
+    return differences
+
+
+def _show(value: Any) -> str:
+    return "(absent)" if value is _ABSENT else json.dumps(value)

@@ -1,0 +1,192 @@
+"""Abort rules checked on every step's globally reduced metrics (``GuardsConfig``; ``None`` = off).
+
+A fired rule returns a :class:`GuardViolation` whose message names the rule, the observed value,
+the threshold and what usually causes it; the trainer then saves an ``aborted`` checkpoint and
+points at the last good one. Ranges and reasoning: docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GuardViolation:
+    rule: str
+    value: float
+    threshold: float
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """A threshold on one metric: fires when the metric is above (``upper``) or below the threshold."""
+
+    rule: str
+    metric: str
+    field: str  # GuardsConfig attribute holding the threshold
+    upper: bool
+    after_warmup: bool  # noisy while the run (and a fresh critic) settles
+    advice: str
+
+
+BOUNDS = (
+    _Bound(
+        "value_divergence", "value/loss", "value_loss_max", True, True,
+        "the critic is diverging; lower ppo.value_lr or ppo.vf_coef, keep ppo.value_clip_eps, "
+        "or tame the reward scale (reward.normalize, reward.clip)",
+    ),
+    _Bound(
+        "kl_budget", "kl/ref", "kl_max", True, False,
+        "the policy drifted from the reference beyond the budget, often by exploiting the reward model; "
+        "raise kl.beta (or use kl.adaptive with a lower kl.target) or lower ppo.lr",
+    ),
+    _Bound(
+        "entropy_collapse", "policy/entropy", "entropy_min", False, True,
+        "the policy became nearly deterministic (mode collapse); lower ppo.lr, raise kl.beta "
+        "or add an entropy bonus (ppo.ent_coef)",
+    ),
+    _Bound(
+        "length_min", "response/length", "length_min", False, True,
+        "responses shrank, usually a reward that favours short answers or a KL penalty paid per token; "
+        "check the reward by length slice and raise kl.beta",
+    ),
+    _Bound(
+        "length_max", "response/length", "length_max", True, True,
+        "responses grew long, the classic length bias of reward models; check the reward by length "
+        "slice, set reward.missing_eos_penalty, raise kl.beta",
+    ),
+    _Bound(
+        "eos_collapse", "response/eos_frac", "eos_frac_min", False, True,
+        "responses stopped ending with EOS and run into rollout.max_new_tokens; set "
+        "reward.missing_eos_penalty, raise kl.beta or rollout.max_new_tokens",
+    ),
+    _Bound(
+        "clip_fraction", "policy/clip_frac", "clip_frac_max", True, True,
+        "most tokens hit the clip range: updates are too large for the trust region; lower ppo.lr, "
+        "use fewer ppo.ppo_epochs or set ppo.target_approx_kl",
+    ),
+    _Bound(
+        "policy_lag", "lag/policy_versions", "max_policy_lag", True, False,
+        "rollouts are too stale for the importance ratio to be trusted; use fewer ppo.ppo_epochs or "
+        "minibatches per rollout, or a lower rollout.max_rollout_age",
+    ),
+)  # fmt: skip
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+class Guards:
+    """Checks the rules of ``cfg`` (a ``GuardsConfig`` or anything with its attributes) each step.
+
+    Steps are numbered from 1 as in metrics.jsonl; rules marked warm-up apply from step
+    ``warmup_steps + 1``. A step with ``health/nonfinite > 0`` or any non-finite metric counts
+    towards ``nonfinite_patience``; threshold rules ignore non-finite values (that rule's business).
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.nonfinite_streak = 0
+        self.evals: list[tuple[float, float]] = []  # (mean train RM score since previous eval, held-out)
+        self._rm_sum, self._rm_count = 0.0, 0
+
+    def check(self, step: int, metrics: Mapping[str, float]) -> GuardViolation | None:
+        if not self.cfg.enabled:
+            return None
+        nonfinite = sorted(name for name, value in metrics.items() if not math.isfinite(value))
+        self._record(metrics, bool(nonfinite))
+        return (
+            self._check_nonfinite(step, metrics, nonfinite)
+            or self._check_bounds(step, metrics)
+            or self._check_reward_without_eval(step)
+        )
+
+    def _record(self, metrics: Mapping[str, float], any_nonfinite: bool) -> None:
+        bad_step = any_nonfinite or metrics.get("health/nonfinite", 0) > 0
+        self.nonfinite_streak = self.nonfinite_streak + 1 if bad_step else 0
+        rm_score = metrics.get("reward/rm_score")
+        if rm_score is not None and math.isfinite(rm_score):
+            self._rm_sum, self._rm_count = self._rm_sum + rm_score, self._rm_count + 1
+        heldout = metrics.get("eval/gold_score", metrics.get("eval/rm_score"))
+        patience = self.cfg.reward_without_eval_patience
+        if patience is None or heldout is None or not math.isfinite(heldout) or not self._rm_count:
+            return
+        self.evals = [*self.evals, (self._rm_sum / self._rm_count, heldout)][-(patience + 1) :]
+        self._rm_sum, self._rm_count = 0.0, 0
+
+    def _check_nonfinite(
+        self, step: int, metrics: Mapping[str, float], names: list[str]
+    ) -> GuardViolation | None:
+        patience = self.cfg.nonfinite_patience
+        if self.nonfinite_streak < patience:
+            return None
+        seen = ", ".join(names) or f"health/nonfinite = {_fmt(metrics['health/nonfinite'])}"
+        return GuardViolation(
+            "nonfinite",
+            float(self.nonfinite_streak),
+            float(patience),
+            f"guard 'nonfinite' fired at step {step}: non-finite values in {self.nonfinite_streak} consecutive "
+            f"steps (guards.nonfinite_patience = {patience}); this step: {seen}. Usual causes: a learning rate "
+            "too high, float16 overflow, gradients without clipping; lower ppo.lr, use bfloat16 or float32, "
+            "keep ppo.max_grad_norm set.",
+        )
+
+    def _check_bounds(self, step: int, metrics: Mapping[str, float]) -> GuardViolation | None:
+        for bound in BOUNDS:
+            threshold, value = getattr(self.cfg, bound.field), metrics.get(bound.metric)
+            if threshold is None or value is None or not math.isfinite(value):
+                continue
+            if bound.after_warmup and step <= self.cfg.warmup_steps:
+                continue
+            if value > threshold if bound.upper else value < threshold:
+                side = ">" if bound.upper else "<"
+                return GuardViolation(
+                    bound.rule,
+                    float(value),
+                    float(threshold),
+                    f"guard {bound.rule!r} fired at step {step}: {bound.metric} = {_fmt(value)} {side} "
+                    f"guards.{bound.field} = {_fmt(threshold)}. Likely: {bound.advice}. If the threshold is "
+                    f"wrong for this task, change guards.{bound.field} (null turns the rule off).",
+                )
+        return None
+
+    def _check_reward_without_eval(self, step: int) -> GuardViolation | None:
+        patience = self.cfg.reward_without_eval_patience
+        if patience is None or len(self.evals) < patience + 1:
+            return None
+        (rm_first, heldout_first), *later = self.evals
+        rm_rise = later[-1][0] - rm_first
+        heldout_gain = max(heldout for _, heldout in later) - heldout_first
+        if rm_rise <= 0 or heldout_gain > 0:
+            return None
+        return GuardViolation(
+            "reward_without_eval",
+            heldout_gain,
+            0.0,
+            f"guard 'reward_without_eval' fired at step {step}: over the last {patience} evaluations the "
+            f"training RM score rose by {_fmt(rm_rise)} while the held-out score (eval/gold_score, else "
+            f"eval/rm_score) never beat {_fmt(heldout_first)} (best change {_fmt(heldout_gain)}). The policy "
+            "is likely exploiting the reward model; raise kl.beta, improve the reward model, or keep the "
+            "last good checkpoint. To tolerate it, raise guards.reward_without_eval_patience (null: off).",
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "nonfinite_streak": self.nonfinite_streak,
+            "evals": [list(e) for e in self.evals],
+            "rm_sum": self._rm_sum,
+            "rm_count": self._rm_count,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.nonfinite_streak = int(state["nonfinite_streak"])
+        self.evals = [(float(rm), float(heldout)) for rm, heldout in state["evals"]]
+        self._rm_sum, self._rm_count = float(state["rm_sum"]), int(state["rm_count"])

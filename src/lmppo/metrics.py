@@ -1,0 +1,363 @@
+"""Metric names, their reduction across ranks, and where they go: JSONL always, trackers when asked.
+
+One name per quantity everywhere (trainer, guards, report, docs/metrics.md). ``metrics.jsonl`` holds
+one JSON object per logged step, ``{"step": int, "time": unix seconds, **metrics}``; every metric is
+a float, and a non-finite one is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``
+(valid JSON that still says which non-finite value it was); :func:`read_metrics` turns them back
+into floats.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Self
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn
+
+from lmppo.errors import LmppoError
+
+METRIC_NAMES: dict[str, str] = {
+    "reward/rm_score": "mean raw sequence score of the reward model (or reward function), before preprocessing",
+    "reward/rm_score_used": "mean score entering the reward after missing-EOS penalty, normalisation, clipping",
+    "reward/eos_penalty_frac": "fraction of responses given reward.missing_eos_penalty (they lack EOS)",
+    "reward/norm_mean": "running mean of raw scores used by reward.normalize",
+    "reward/norm_std": "running standard deviation of raw scores used by reward.normalize",
+    "reward/clip_frac": "fraction of scores beyond +-reward.clip before clipping",
+    "reward/kl_penalty": "mean per-sequence non-score reward, sum_t -beta * KL_t (<= 0 on average)",
+    "reward/shaped": "mean per-sequence sum of the shaped per-token rewards PPO optimises",
+    "kl/ref": "mean per-sequence KL(policy || reference) estimate, summed over response tokens",
+    "kl/beta": "KL coefficient used for this step's rewards",
+    "policy/loss": "clipped surrogate loss, mean over response tokens and minibatches",
+    "policy/clip_frac": "fraction of response tokens whose ratio left [1 - eps, 1 + eps]",
+    "policy/approx_kl": "k3 estimate of KL(old || new) per token: how far the update moved the policy",
+    "policy/entropy": "mean per-token entropy of the policy's next-token distribution on responses",
+    "policy/ratio_mean": "mean importance ratio pi_new / pi_old over response tokens",
+    "policy/ratio_std": "standard deviation of the importance ratio over response tokens",
+    "policy/ratio_max": "largest importance ratio of any response token",
+    "policy/epochs": "PPO epochs run this step (fewer than ppo.ppo_epochs after an approx-KL early stop)",
+    "policy/updates": "optimizer updates made this step",
+    "ptx/loss": "per-token SFT loss on data.ptx_demonstrations (PPO-ptx)",
+    "value/loss": "clipped value loss, mean over response tokens and minibatches",
+    "value/clip_frac": "fraction of response tokens whose value moved more than the value clip range",
+    "value/explained_var": "1 - Var(returns - values) / Var(returns) over response tokens",
+    "value/grad_norm": "gradient norm of the critic before clipping",
+    "adv/mean": "mean advantage over response tokens, before whitening",
+    "adv/std": "standard deviation of the advantages over response tokens, before whitening",
+    "response/length": "mean number of response tokens (up to and including the first EOS)",
+    "response/eos_frac": "fraction of responses that ended with EOS",
+    "response/truncated_frac": "fraction of responses cut off at max_new_tokens",
+    "health/nonfinite": "number of non-finite values seen in this step's losses, gradients and statistics",
+    "health/nonfinite_updates": "updates skipped because a gradient was non-finite",
+    "health/grad_norm": "gradient norm of the policy before clipping",
+    "lag/policy_versions": "policy versions between the policy that sampled the rollout and the one updated",
+    "lag/rollout_age_s": "seconds between generating the rollout and updating on it",
+    "perf/step_s": "wall-clock seconds of the whole PPO step",
+    "perf/rollout_s": "seconds spent generating",
+    "perf/score_s": "seconds spent scoring (reward model, reference and value forward passes)",
+    "perf/update_s": "seconds spent in the PPO epochs",
+    "perf/rollout_tokens_per_s": "generated response tokens per second, all ranks",
+    "perf/train_tokens_per_s": "response tokens processed per second of PPO update, all ranks",
+    "perf/peak_rss_mb": "peak resident memory of the process in MiB",
+    "eval/rm_score": "mean reward-model score on the held-out prompts",
+    "eval/gold_score": "mean gold-judge score on the held-out prompts, where a judge exists",
+}
+
+# How a per-rank scalar becomes a global one; every other metric is averaged over ranks.
+REDUCE_OPS: dict[str, str] = {
+    "policy/ratio_max": "max",
+    "health/nonfinite": "sum",
+    "health/nonfinite_updates": "sum",
+    "lag/policy_versions": "max",
+    "lag/rollout_age_s": "max",
+    "perf/step_s": "max",  # the slowest rank sets the pace
+    "perf/rollout_s": "max",
+    "perf/score_s": "max",
+    "perf/update_s": "max",
+    "perf/rollout_tokens_per_s": "sum",
+    "perf/train_tokens_per_s": "sum",
+    "perf/peak_rss_mb": "max",
+}
+
+METRICS_FILE = "metrics.jsonl"
+_JSON_TO_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+# --------------------------------------------------------------------------------------------------
+# Reduction across ranks
+# --------------------------------------------------------------------------------------------------
+
+
+def reduce_metrics(
+    metrics: Mapping[str, float], group: dist.ProcessGroup | None = None, op: str = "mean"
+) -> dict[str, float]:
+    """Global value of each per-rank scalar: ``REDUCE_OPS[name]`` or ``op`` (``mean``/``sum``/``max``).
+
+    Every rank must pass the same keys. One ``all_gather`` of the stacked values serves all ops.
+    A mean of per-rank means is exact only when ranks weigh the same (equal shards); statistics that
+    need token-weighting across ranks are computed globally in ``core`` (its ``group`` argument).
+    """
+    names = sorted(metrics)
+    values = {name: float(metrics[name]) for name in names}
+    if group is None or not names:
+        return values
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    local = torch.tensor([values[n] for n in names], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    per_rank = torch.stack(gathered).cpu()  # (world, n)
+    reducers = {"mean": lambda c: c.mean(), "sum": lambda c: c.sum(), "max": lambda c: c.max()}
+    return {n: reducers[REDUCE_OPS.get(n, op)](per_rank[:, i]).item() for i, n in enumerate(names)}
+
+
+# --------------------------------------------------------------------------------------------------
+# JSONL and tracker sinks
+# --------------------------------------------------------------------------------------------------
+
+
+def _to_json_number(value: float) -> float | str:
+    if math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+
+
+def _from_json_number(value: Any) -> Any:
+    return _JSON_TO_NONFINITE.get(value, value) if isinstance(value, str) else value
+
+
+def _import_sink(sink: str):
+    """Import a tracker's package (named like the sink), or say which extra to install."""
+    try:
+        return importlib.import_module(sink)
+    except ImportError:
+        raise LmppoError(
+            f"logging sink {sink!r} needs the {sink} package, which is not installed: "
+            "run `pip install 'lmppo[tracking]'` or remove it from logging.sinks"
+        ) from None
+
+
+class _TensorBoardSink:
+    def __init__(self, run_dir: Path, run_name: str | None, config: dict | None) -> None:
+        _import_sink("tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if config is not None:
+            self.writer.add_text("config", f"```\n{json.dumps(config, indent=2)}\n```")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandbSink:
+    def __init__(self, run_dir: Path, run_name: str | None, config: dict | None) -> None:
+        self.wandb = _import_sink("wandb")
+        self.run = self.wandb.init(project="lmppo", name=run_name, config=config, dir=str(run_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _MlflowSink:
+    def __init__(self, run_dir: Path, run_name: str | None, config: dict | None) -> None:
+        self.mlflow = _import_sink("mlflow")
+        self.mlflow.start_run(run_name=run_name)
+        if config is not None:  # as an artifact: a nested config overflows MLflow's param limits
+            self.mlflow.log_dict(config, "config.json")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.mlflow.log_metrics(metrics, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+_TRACKERS = {"tensorboard": _TensorBoardSink, "wandb": _WandbSink, "mlflow": _MlflowSink}
+
+
+def _parse_lines(path: Path) -> list[dict]:
+    """Records of a metrics file; a torn last line (the process died mid-write) is dropped."""
+    lines = path.read_text().splitlines(keepends=True)
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines) and not line.endswith("\n"):
+                break
+            raise LmppoError(f"{path} line {number} is not valid JSON; the metrics file is damaged") from None
+    return records
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """All records of ``RUN_DIR/metrics.jsonl`` in file order, non-finite strings back as floats."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise LmppoError(f"no metrics at {path}: is {run_dir} a run directory?")
+    return [{k: _from_json_number(v) for k, v in r.items()} for r in _parse_lines(path)]
+
+
+def _keep_records_up_to(path: Path, last_step: int | None) -> None:
+    """Rewrite ``path`` keeping whole records with ``step <= last_step`` (all whole ones if None).
+
+    A resumed run repeats the steps after its checkpoint; their first attempt must not stay in the
+    file next to the second. Rewritten via a temporary file and ``os.replace``.
+    """
+    if not path.is_file():
+        return
+    text = path.read_text()
+    if last_step is None and (not text or text.endswith("\n")):
+        return  # nothing torn, nothing to drop
+    records = [r for r in _parse_lines(path) if last_step is None or r["step"] <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Writes each step's metrics to ``RUN_DIR/metrics.jsonl`` and the configured trackers.
+
+    Only the main process writes; on the others ``log`` and ``close`` do nothing. ``resume_step``:
+    drop records after that step (left by the attempt that crashed after the checkpoint).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        sinks: Iterable[str] = ("jsonl",),
+        is_main_process: bool = True,
+        run_name: str | None = None,
+        config: dict | None = None,
+        resume_step: int | None = None,
+    ) -> None:
+        sinks = list(sinks)
+        unknown = sorted(set(sinks) - {"jsonl", *_TRACKERS})
+        if unknown:
+            raise LmppoError(f"unknown logging sink(s) {unknown}; choose from jsonl, {', '.join(_TRACKERS)}")
+        self.is_main_process = is_main_process
+        self.trackers: list = []
+        self._file = None
+        if not is_main_process:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / METRICS_FILE
+        _keep_records_up_to(self.path, resume_step)
+        self.trackers = [
+            _TRACKERS[s](run_dir, run_name, config) for s in dict.fromkeys(sinks) if s != "jsonl"
+        ]
+        self._file = self.path.open("a")
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not self.is_main_process:
+            return
+        if {"step", "time"} & metrics.keys():
+            raise ValueError("'step' and 'time' are reserved keys of a metrics record")
+        values = {name: float(value) for name, value in metrics.items()}
+        record = {
+            "step": int(step),
+            "time": time.time(),
+            **{k: _to_json_number(v) for k, v in values.items()},
+        }
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()  # a crash loses at most the step being written
+        for tracker in self.trackers:
+            tracker.log(step, values)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Progress display
+# --------------------------------------------------------------------------------------------------
+
+_SHOWN = (("reward/rm_score", "rm"), ("kl/ref", "kl"), ("kl/beta", "beta"), ("policy/clip_frac", "clip"))
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+class ProgressDisplay:
+    """A live status line (rich) for the main process, or plain log lines when ``quiet``.
+
+    Shows step, ``reward/rm_score``, ``kl/ref``, ``kl/beta``, ``policy/clip_frac``, seconds per step
+    (``perf/step_s`` when given) and the ETA from the average step time so far. Quiet mode (chosen automatically when stdout is not a terminal) prints one line every
+    ``every`` steps (default: about 50 lines per run) and at the last step. Use as a context manager.
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        quiet: bool = False,
+        start_step: int = 0,
+        every: int | None = None,
+        enabled: bool = True,
+    ) -> None:
+        self.total_steps, self.start_step, self.enabled = total_steps, start_step, enabled
+        self.console = Console()
+        self.quiet = quiet or not self.console.is_terminal
+        self.every = every or max(1, round(total_steps / 50))
+        self._started = time.perf_counter()
+        self._progress: Progress | None = None
+
+    def status_line(self, step: int, metrics: Mapping[str, float]) -> str:
+        average_s = (time.perf_counter() - self._started) / max(step - self.start_step, 1)
+        step_s = metrics.get("perf/step_s", average_s)
+        shown = [f"{label} {metrics[name]:.4g}" for name, label in _SHOWN if name in metrics]
+        eta = _clock(average_s * (self.total_steps - step))
+        return " | ".join([f"step {step}/{self.total_steps}", *shown, f"{step_s:.2f} s/step", f"ETA {eta}"])
+
+    def update(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not self.enabled:
+            return
+        line = self.status_line(step, metrics)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, description=line)
+        elif step % self.every == 0 or step == self.total_steps:
+            print(line, flush=True)
+
+    def __enter__(self) -> Self:
+        self._started = time.perf_counter()
+        if self.enabled and not self.quiet:
+            self._progress = Progress(BarColumn(), TextColumn("{task.description}"), console=self.console)
+            self._task = self._progress.add_task(
+                "starting", total=self.total_steps, completed=self.start_step
+            )
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
