@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -40,6 +41,34 @@ def main() -> None:
     except LmppoError as err:
         console.print(f"[bold red]error:[/] {err}")
         sys.exit(2)
+
+
+
+@app.command()
+def ppo(
+    config: Path | None = typer.Argument(None, help="YAML config (optional with --resume: the run's own is used)."),
+    overrides: list[str] | None = typer.Argument(None, help="section.key=value overrides, e.g. ppo.lr=1e-5"),
+    resume: Path | None = typer.Option(None, "--resume", help="Continue the run in this run directory."),
+    allow_config_change: bool = typer.Option(
+        False, "--allow-config-change", help="Resume even if the config or models differ (recorded)."),
+    quiet: bool = typer.Option(False, "--quiet", help="Plain log lines instead of a live display."),
+) -> None:
+    """Train a policy with PPO: `lmppo ppo CONFIG section.key=value ...`."""
+    from lmppo.config import load_config
+    from lmppo.trainer import train
+
+    overrides = list(overrides or [])
+    if config is not None and "=" in str(config):  # `lmppo ppo --resume RUN_DIR a.b=c`
+        overrides, config = [str(config), *overrides], None
+    if resume is not None:
+        config = config or resume / "config.yaml"
+        overrides.append(f"run.output_dir={resume}")
+    if config is None:
+        raise LmppoError("give a config file: `lmppo ppo CONFIG`, or `lmppo ppo --resume RUN_DIR`")
+    if quiet:
+        overrides.append("logging.quiet=true")
+    run_dir = train(load_config(config, overrides), resume=resume is not None, allow_config_change=allow_config_change)
+    console.print(f"run directory: {run_dir}")
 
 
 @app.command()

@@ -1,0 +1,709 @@
+"""The PPO loop, readable top to bottom (seeds/003 §3.4, DESIGN.md "Data flow of one PPO step").
+
+One step: rollout -> score -> stored passes (reference log-probs, values) -> shaped rewards -> GAE
+(bootstrapping truncated rows) -> global advantage whitening -> ``ppo_epochs`` passes over shuffled
+minibatches (micro-batch gradient accumulation) -> approx-KL early stop -> KL controller -> metrics.
+All the math lives in :mod:`lmppo.core`; this module only orders it and keeps the books.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import resource
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from peft import PeftModel
+from torch import nn
+from transformers import GenerationConfig
+
+from lmppo import core
+from lmppo.checkpoint import (
+    CHECKPOINTS_DIR,
+    Checkpoint,
+    capture_rng_state,
+    check_compatible,
+    flatten_state,
+    last_good_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+    unflatten_state,
+)
+from lmppo.config import Config
+from lmppo.data import Prompt, PromptStream, load_demonstrations, load_prompts
+from lmppo.distributed import init_distributed, rank_seed
+from lmppo.errors import LmppoError
+from lmppo.guards import Guards
+from lmppo.metrics import MetricsLogger, ProgressDisplay, reduce_metrics
+from lmppo.models import (
+    ValueModel,
+    apply_lora,
+    freeze,
+    load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
+    make_reference,
+    model_identity,
+    resolve_source,
+)
+from lmppo.rollout import (
+    Generator,
+    HFGenerator,
+    Rollout,
+    policy_logits_and_values,
+    reference_logprobs,
+    response_logits,
+    value_predictions,
+)
+from lmppo.scoring import RewardFunction, RewardModelScorer, ScoreTransform, load_reward_function
+from lmppo.sft import sft_batch
+
+
+@dataclass
+class PPOModels:
+    """The four models of a run (the reward is a learned RM wrapped as a function, or a program)."""
+
+    policy: nn.Module
+    reference: nn.Module
+    value: nn.Module
+    tokenizer: object
+    reward: RewardFunction
+    identities: dict[str, dict] = field(default_factory=dict)
+
+
+def trim_padding(rollout: Rollout) -> Rollout:
+    """Drop response columns past the longest response of these rows (less work in the update)."""
+    length = int(rollout.response_mask.sum(1).max().clamp(min=1))
+    if length == rollout.response_ids.shape[1]:
+        return rollout
+    cut = {name: getattr(rollout, name)[:, :length] for name in ("response_ids", "response_mask", "logp_old")}
+    extras = {k: v[:, :length] if v.dim() == 2 else v for k, v in rollout.extras.items()}
+    return dataclasses.replace(rollout, **cut, extras=extras)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and CUDA); sampling draws from torch's global generator."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """LR multiplier per PPO step: linear warmup, then constant / linear / cosine decay to 0."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        if schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+
+    return multiplier
+
+
+class PPOTrainer:
+    def __init__(
+        self,
+        cfg: Config,
+        models: PPOModels,
+        prompts: list[Prompt],
+        *,
+        generator: Generator | None = None,
+        ptx_batches: Callable[[], dict[str, torch.Tensor]] | None = None,
+        evaluator: Callable[[], dict[str, float]] | None = None,
+        group: torch.distributed.ProcessGroup | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.cfg, self.models, self.group = cfg, models, group
+        self.policy, self.reference, self.value_model = models.policy, models.reference, models.value
+        # Dropout stays off for the whole run (as in TRL): the stored log-probs and values and the
+        # update's first forward then agree exactly, so the first ratio is 1. Gradients still flow.
+        for model in (self.policy, self.value_model):
+            model.eval()
+        self.generator = generator or HFGenerator(
+            self.policy, models.tokenizer,
+            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+            top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p, stop_token_ids=cfg.rollout.stop_token_ids,
+            chat_template=cfg.models.policy.chat_template, raw_prompts=cfg.data.raw_prompts,
+            max_prompt_length=cfg.data.max_prompt_length, truncate_prompts=cfg.data.truncate_prompts,
+        )
+        self.prompt_stream = PromptStream(prompts, cfg.rollout.batch_size, shuffle=cfg.data.shuffle,
+                                          seed=cfg.run.seed, rank=rank, world_size=world_size)
+        self.ptx_batches, self.evaluator = ptx_batches, evaluator
+        self.world_size = world_size
+        self.optimizer = self._build_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.ppo.lr_schedule, cfg.ppo.warmup_steps, cfg.run.steps)
+        )
+        self.kl_controller = (
+            core.AdaptiveKLController(cfg.kl.beta, cfg.kl.target, cfg.kl.horizon)
+            if cfg.kl.adaptive else core.FixedKLController(cfg.kl.beta)
+        )
+        self.score_transform = ScoreTransform(
+            missing_eos_penalty=cfg.reward.missing_eos_penalty, clip=cfg.reward.clip, normalize=cfg.reward.normalize
+        )
+        self.shuffle_generator = torch.Generator().manual_seed(cfg.run.seed + 1 + rank)
+        self.step_count = 0  # PPO steps done
+        self.policy_version = 0  # PPO steps that changed the policy; each rollout records the one it saw
+        self.episodes = 0  # responses generated (all ranks)
+        self.tokens = 0  # response tokens generated (all ranks)
+
+    # ----------------------------------------------------------------------------------------------
+    # set-up
+    # ----------------------------------------------------------------------------------------------
+
+    def _trainable(self, module: nn.Module) -> list[nn.Parameter]:
+        return [p for p in module.parameters() if p.requires_grad]
+
+    def _value_only_parameters(self) -> list[nn.Parameter]:
+        """Critic parameters not already owned by the policy (with a shared trunk: the head only)."""
+        policy_ids = {id(p) for p in self.policy.parameters()}
+        return [p for p in self._trainable(self.value_model) if id(p) not in policy_ids]
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        ppo = self.cfg.ppo
+        groups = [
+            {"params": self._trainable(self.policy), "lr": ppo.lr, "name": "policy"},
+            {"params": self._value_only_parameters(), "lr": ppo.value_lr or ppo.lr, "name": "value"},
+        ]
+        return torch.optim.AdamW(groups, weight_decay=ppo.weight_decay, eps=ppo.adam_eps)
+
+    # ----------------------------------------------------------------------------------------------
+    # one PPO step
+    # ----------------------------------------------------------------------------------------------
+
+    def step(self) -> dict[str, float]:
+        cfg = self.cfg
+        started = time.perf_counter()
+
+        # 1. Rollout: sample responses with the current policy; refuse data older than allowed.
+        rollout = self.collect_rollout()
+        lag = self.policy_version - rollout.policy_version
+        rollout_s = time.perf_counter() - started
+
+        # 2-4. Score, stored passes, shaped rewards, GAE, whitening (stored in rollout.extras).
+        scored_at = time.perf_counter()
+        reward_stats = self.score_and_estimate(rollout)
+        score_s = time.perf_counter() - scored_at
+
+        # 5. PPO epochs over shuffled minibatches.
+        update_at = time.perf_counter()
+        update_stats = self.update(rollout)
+        update_s = time.perf_counter() - update_at
+        if update_stats["health/nonfinite_updates"] < update_stats["policy/updates"]:
+            self.policy_version += 1  # the policy changed: rollouts sampled before are one version older
+
+        # 6. KL controller, fed the global mean per-sequence KL and stepped once per sample.
+        beta = self.kl_controller.value
+        self.kl_controller.update(reward_stats["kl/ref"], n_steps=cfg.rollout.batch_size)
+        self.scheduler.step()
+        self.step_count += 1
+
+        step_s = time.perf_counter() - started
+        n_tokens = reward_stats["response/length"] * cfg.rollout.batch_size
+        self.episodes += cfg.rollout.batch_size
+        self.tokens += round(n_tokens)
+        metrics = {
+            **reward_stats,
+            **update_stats,
+            "kl/beta": beta,
+            "lag/policy_versions": float(lag),
+            "health/nonfinite": reward_stats["health/nonfinite"] + update_stats["health/nonfinite_updates"],
+            "perf/step_s": step_s,
+            "perf/rollout_s": rollout_s,
+            "perf/score_s": score_s,
+            "perf/update_s": update_s,
+            "perf/rollout_tokens_per_s": n_tokens / max(rollout_s, 1e-9),
+            "perf/train_tokens_per_s": n_tokens * update_stats["policy/epochs"] / max(update_s, 1e-9),
+            "perf/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
+        if self.evaluator is not None and cfg.run.eval_every and self.step_count % cfg.run.eval_every == 0:
+            metrics.update(self.evaluator())
+        return metrics
+
+    def collect_rollout(self) -> Rollout:
+        """Generate for the next prompts; regenerate when the rollout lags more than allowed."""
+        max_age = self.cfg.rollout.max_rollout_age
+        for _ in range(3):
+            rollout = self.generator.generate(self.prompt_stream.next_batch(), policy_version=self.policy_version)
+            if self.policy_version - rollout.policy_version <= max_age:
+                return rollout
+        raise LmppoError(
+            f"the generator keeps returning rollouts {self.policy_version - rollout.policy_version} policy "
+            f"versions old (rollout.max_rollout_age={max_age}); check that it syncs the policy weights"
+        )
+
+    @torch.inference_mode()
+    def score_and_estimate(self, rollout: Rollout) -> dict[str, float]:
+        """Reward, reference log-probs, values, shaped rewards, GAE and whitened advantages.
+
+        Stores ``logp_ref``, ``values``, ``advantages``, ``returns`` (B, R) in ``rollout.extras`` so they
+        follow the rollout through minibatch selection; returns the step's reward-side metrics.
+        """
+        cfg, group = self.cfg, self.group
+        mask = rollout.response_mask
+        rm_score_raw = self.models.reward(rollout.prompts, rollout.response_texts).float().to(mask.device)
+        rm_score, transform_stats = self.score_transform(rm_score_raw, rollout.terminated, group)
+        forward_batch = cfg.rollout.forward_batch_size
+        logp_ref = reference_logprobs(self.reference, rollout, micro_batch_size=forward_batch)
+        values, bootstrap_value = value_predictions(self.value_model, rollout, micro_batch_size=forward_batch)
+
+        # bootstrap_value is already 0 for rows that ended with EOS (terminal) and V(s_after) otherwise.
+        beta = self.kl_controller.value
+        rewards = core.shaped_rewards(rm_score, rollout.logp_old, logp_ref, mask, beta, cfg.kl.estimator)
+        advantages, returns = core.gae(rewards, values, mask, cfg.ppo.gamma, cfg.ppo.lam, bootstrap_value)
+        adv_mean = core.masked_mean(advantages, mask, group)
+        adv_std = core.masked_var(advantages, mask, unbiased=False, group=group).sqrt()
+        if cfg.ppo.whiten_advantages:
+            advantages = core.masked_whiten(advantages, mask, group=group)
+        rollout.extras.update(logp_ref=logp_ref, values=values, advantages=advantages, returns=returns)
+
+        kl_per_token = torch.where(mask.bool(), core.kl_estimate(rollout.logp_old, logp_ref, cfg.kl.estimator), 0.0)
+        per_row = {  # sequence-level quantities, averaged over all ranks' rows
+            "reward/rm_score": rm_score_raw,
+            "reward/kl_penalty": -beta * kl_per_token.sum(1),
+            "reward/shaped": rewards.sum(1),
+            "kl/ref": kl_per_token.sum(1),
+            "response/length": mask.sum(1),
+            "response/eos_frac": rollout.terminated.float(),
+            "response/truncated_frac": (~rollout.terminated).float(),
+        }
+        if transform_stats:
+            per_row["reward/rm_score_used"] = rm_score
+        every_row = torch.ones(1, len(rollout), device=mask.device)
+        stats = {key: core.masked_mean(value[None], every_row, group).item() for key, value in per_row.items()}
+        stats.update(transform_stats)
+        stats.update({
+            "adv/mean": adv_mean.item(),
+            "adv/std": adv_std.item(),
+            "value/explained_var": core.explained_variance(values, returns, mask, group).item(),
+            "lag/rollout_age_s": time.time() - rollout.created_at,
+            "health/nonfinite": float(sum(int((~torch.isfinite(t)).sum()) for t in (
+                rm_score_raw, torch.where(mask.bool(), logp_ref, 0.0), torch.where(mask.bool(), values, 0.0)))),
+        })
+        return stats
+
+    def update(self, rollout: Rollout) -> dict[str, float]:
+        """``ppo_epochs`` passes of clipped-surrogate updates; stops early when approx KL is too high."""
+        ppo = self.cfg.ppo
+        totals: dict[str, float] = {}
+        n_updates, epochs_run, ratio_max = 0, 0, 0.0
+        local_minibatch = ppo.minibatch_size // self.world_size
+        for _ in range(ppo.ppo_epochs):
+            epochs_run += 1
+            epoch_kl, epoch_updates = 0.0, 0
+            for minibatch in rollout.minibatches(local_minibatch, self.shuffle_generator):
+                stats = self.minibatch_update(minibatch)
+                ratio_max = max(ratio_max, stats.pop("policy/ratio_max"))
+                for key, value in stats.items():
+                    totals[key] = totals.get(key, 0.0) + value
+                epoch_kl += stats["policy/approx_kl"]
+                epoch_updates += 1
+                n_updates += 1
+            if ppo.target_approx_kl is not None and self._global_mean(epoch_kl / epoch_updates) > ppo.target_approx_kl:
+                break  # every rank sees the same global value, so all stop together
+        metrics = {key: value / n_updates for key, value in totals.items()}
+        ratio_var = metrics.pop("policy/ratio_sq") - metrics["policy/ratio_mean"] ** 2
+        metrics["policy/ratio_std"] = math.sqrt(max(ratio_var, 0.0))
+        metrics["policy/ratio_max"] = ratio_max
+        metrics["policy/epochs"] = float(epochs_run)
+        metrics["policy/updates"] = float(n_updates)
+        metrics["health/nonfinite_updates"] = totals["health/nonfinite_updates"]  # a count, not a mean
+        return metrics
+
+    def minibatch_update(self, minibatch: Rollout) -> dict[str, float]:
+        """One optimiser step on one minibatch, accumulated over micro-batches (token-weighted mean)."""
+        ppo = self.cfg.ppo
+        minibatch_tokens = minibatch.response_mask.sum().clamp(min=1.0)
+        micro_size = ppo.micro_batch_size // self.world_size if ppo.micro_batch_size else len(minibatch)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {"health/nonfinite_updates": 0.0}
+        ratio_max = 0.0
+        for micro in minibatch.minibatches(max(micro_size, 1)):
+            stats, loss = self.micro_batch_loss(micro)
+            weight = micro.response_mask.sum() / minibatch_tokens  # micro means -> the minibatch's token mean
+            (loss * weight).backward()
+            ratio_max = max(ratio_max, stats.pop("policy/ratio_max"))
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + value * float(weight)
+        if self.ptx_batches is not None and ppo.ptx_coef > 0:
+            ptx_loss = self.ptx_loss()
+            (ppo.ptx_coef * ptx_loss).backward()
+            sums["ptx/loss"] = ptx_loss.item()
+        sums["health/grad_norm"], sums["value/grad_norm"], finite = self._clip_gradients()
+        if finite:
+            self.optimizer.step()
+        else:  # never apply a NaN/inf update; the nonfinite guard aborts if this persists
+            sums["health/nonfinite_updates"] = 1.0
+        sums["policy/ratio_max"] = ratio_max
+        return sums
+
+    def micro_batch_loss(self, micro: Rollout) -> tuple[dict[str, float], torch.Tensor]:
+        ppo = self.cfg.ppo
+        micro = trim_padding(micro)
+        mask, extras = micro.response_mask, micro.extras
+        logits, values = self.policy_and_values(micro)
+        logp_new = core.token_logprobs(logits, micro.response_ids)
+        policy_loss, clip_frac = core.ppo_clip_loss(logp_new, micro.logp_old, extras["advantages"], mask, ppo.clip_eps)
+        v_loss, v_clip_frac = core.value_loss(values, extras["values"], extras["returns"], mask, ppo.value_clip_eps)
+        if ppo.ent_coef > 0:
+            entropy = core.masked_entropy(logits, mask)
+        else:  # only a metric: no graph through a (B, R, V) entropy
+            with torch.no_grad():
+                entropy = core.masked_entropy(logits, mask)
+        loss = policy_loss + ppo.vf_coef * v_loss - ppo.ent_coef * entropy
+        with torch.no_grad():
+            ratio = torch.exp(torch.where(mask.bool(), logp_new - micro.logp_old, 0.0))
+            stats = {
+                "policy/loss": policy_loss.item(),
+                "policy/clip_frac": clip_frac.item(),
+                "policy/approx_kl": core.approx_kl(logp_new, micro.logp_old, mask).item(),
+                "policy/entropy": entropy.item(),
+                "policy/ratio_mean": core.masked_mean(ratio, mask).item(),
+                "policy/ratio_sq": core.masked_mean(ratio**2, mask).item(),
+                "policy/ratio_max": torch.where(mask.bool(), ratio, 0.0).max().item(),
+                "value/loss": v_loss.item(),
+                "value/clip_frac": v_clip_frac.item(),
+            }
+        return stats, loss
+
+    def policy_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tempered policy logits (B, R, V) and values (B, R), with gradients."""
+        if self.value_model.shared_trunk:
+            return policy_logits_and_values(self.policy, self.value_model, rollout)
+        queries, responses = rollout.query_ids.shape[1], rollout.response_ids.shape[1]
+        values = self.value_model(*rollout.sequence_inputs())[:, queries - 1 : queries - 1 + responses]
+        return response_logits(self.policy, rollout), values
+
+    def ptx_loss(self) -> torch.Tensor:
+        """InstructGPT's PPO-ptx term: next-token loss on a batch of demonstrations (response tokens)."""
+        batch = self.ptx_batches()
+        out = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        return out.loss
+
+    def _clip_gradients(self) -> tuple[float, float, bool]:
+        """Clip policy and critic gradients separately; report pre-clip norms and whether both are finite."""
+        max_norm = self.cfg.ppo.max_grad_norm or float("inf")
+        norms = []
+        for group in self.optimizer.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
+            norms.append(float(norm))
+        return norms[0], norms[1], all(math.isfinite(n) for n in norms)
+
+    def _global_mean(self, value: float) -> float:
+        if self.group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        torch.distributed.all_reduce(t, group=self.group)
+        return float(t) / self.world_size
+
+    # ----------------------------------------------------------------------------------------------
+    # checkpoint state: everything a resumed run needs to continue exactly
+    # ----------------------------------------------------------------------------------------------
+
+    def _trained_modules(self) -> dict[str, tuple[nn.Module, set[int]]]:
+        """name -> (module, ids of parameters saved under another name: the shared trunk)."""
+        return {"policy": (self.policy, set()), "value": (self.value_model, {id(p) for p in self.policy.parameters()})}
+
+    def state_payload(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+        """``(tensors, state)`` for :func:`lmppo.checkpoint.save_checkpoint` (no pickle anywhere)."""
+        tensors = {
+            name: {k: p.detach() for k, p in module.named_parameters() if p.requires_grad and id(p) not in skip}
+            for name, (module, skip) in self._trained_modules().items()
+        }
+        optimizer_tensors, optimizer_skeleton = flatten_state(self.optimizer.state_dict())
+        rng_json, rng_tensors = capture_rng_state()
+        tensors["optimizer"] = optimizer_tensors
+        tensors["rng"] = {**rng_tensors, "shuffle": self.shuffle_generator.get_state()}
+        state = {
+            "step": self.step_count,
+            "policy_version": self.policy_version,
+            "episodes": self.episodes,
+            "tokens": self.tokens,
+            "prompt_stream": self.prompt_stream.state_dict(),
+            "kl_controller": self.kl_controller.state_dict(),
+            "score_transform": self.score_transform.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "optimizer": optimizer_skeleton,
+            "rng": rng_json,
+        }
+        return tensors, state
+
+    def load_state_payload(self, tensors: dict[str, dict[str, torch.Tensor]], state: dict) -> None:
+        for name, (module, skip) in self._trained_modules().items():
+            expected = {k: p for k, p in module.named_parameters() if p.requires_grad and id(p) not in skip}
+            if set(expected) != set(tensors[name]):
+                raise LmppoError(
+                    f"checkpoint's {name} weights do not match this model ({len(tensors[name])} saved tensors, "
+                    f"{len(expected)} trainable here): was it written by a run with other models or LoRA settings?"
+                )
+            with torch.no_grad():
+                for key, param in expected.items():
+                    param.copy_(tensors[name][key])
+        self.optimizer.load_state_dict(unflatten_state(tensors["optimizer"], state["optimizer"]))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        self.score_transform.load_state_dict(state["score_transform"])
+        self.prompt_stream.load_state_dict(state["prompt_stream"])
+        rng = dict(tensors["rng"])
+        self.shuffle_generator.set_state(rng.pop("shuffle"))
+        restore_rng_state(state["rng"], rng)
+        self.step_count, self.policy_version = int(state["step"]), int(state["policy_version"])
+        self.episodes, self.tokens = int(state["episodes"]), int(state["tokens"])
+
+
+# --------------------------------------------------------------------------------------------------
+# The four models from the config
+# --------------------------------------------------------------------------------------------------
+
+
+def load_models(cfg: Config, device: torch.device) -> PPOModels:
+    """Policy (+ LoRA), reference, reward (model or function) and critic, with identity records."""
+    m = cfg.models
+    policy_source = resolve_source(m.policy.path, m.policy.gguf_file)
+    tokenizer = load_tokenizer(m.policy.path, m.policy.gguf_file, trust_remote_code=m.policy.trust_remote_code)
+    policy = load_causal_lm(m.policy.path, gguf_file=m.policy.gguf_file, dtype=m.policy.dtype,
+                            trust_remote_code=m.policy.trust_remote_code).to(device)
+    if m.policy_lora.enabled:
+        policy = apply_lora(policy, **_lora_kwargs(m.policy_lora))
+    if m.reference is not None:
+        reference_source = resolve_source(m.reference.path, m.reference.gguf_file)
+        reference = freeze(load_causal_lm(m.reference.path, gguf_file=m.reference.gguf_file, dtype=m.reference.dtype,
+                                          trust_remote_code=m.reference.trust_remote_code)).to(device)
+    else:  # the policy's starting weights: adapter-disabled view with LoRA, else a frozen copy
+        reference_source, reference = policy_source, make_reference(policy)
+
+    reward_model, rm_source, rm_tokenizer = None, None, None
+    if cfg.reward.model is not None:
+        r = cfg.reward.model
+        rm_source = resolve_source(r.path, r.gguf_file)
+        rm_tokenizer = load_tokenizer(r.path, r.gguf_file, trust_remote_code=r.trust_remote_code)
+        reward_model = load_reward_model(r.path, gguf_file=r.gguf_file, dtype=r.dtype,
+                                         trust_remote_code=r.trust_remote_code).to(device)
+        reward = RewardModelScorer(reward_model, rm_tokenizer, chat_template=r.chat_template,
+                                   max_length=cfg.reward.max_length, batch_size=cfg.reward.batch_size)
+    else:
+        reward = load_reward_function(cfg.reward.function)
+
+    value = _load_value_model(cfg, policy, reward_model, device)
+    template = m.policy.chat_template
+    identities = {
+        "policy": model_identity("policy", policy, source=policy_source, tokenizer=tokenizer, chat_template=template),
+        "reference": model_identity("reference", reference, source=reference_source, tokenizer=tokenizer,
+                                    chat_template=template, shared_with="policy" if m.reference is None else None),
+        "reward": (model_identity("reward", reward_model, source=rm_source, tokenizer=rm_tokenizer,
+                                  chat_template=cfg.reward.model.chat_template) if reward_model is not None
+                   else {"role": "reward", "function": cfg.reward.function}),
+        "value": model_identity("value", value, shared_with="policy" if value.shared_trunk else None),
+    }
+    identities = {k: v if isinstance(v, dict) else v.to_dict() for k, v in identities.items()}
+    identities["value"]["init_from"] = "policy" if value.shared_trunk else m.value.init_from
+    return PPOModels(policy, reference, value, tokenizer, reward, identities)
+
+
+def _lora_kwargs(lora) -> dict:
+    return {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": lora.target_modules}
+
+
+def _load_value_model(cfg: Config, policy: nn.Module, reward_model: nn.Module | None, device) -> ValueModel:
+    v = cfg.models.value
+    if v.mode == "shared":
+        return ValueModel.shared_trunk(policy).to(device)
+    if v.init_from == "reward":
+        if reward_model is None:
+            raise LmppoError("models.value.init_from=reward needs a reward model (reward.model); "
+                             "with a programmatic reward use models.value.init_from=policy")
+        value = ValueModel.from_reward_model(reward_model)
+    else:
+        base = policy.get_base_model() if isinstance(policy, PeftModel) else policy
+        value = ValueModel.from_causal_lm(base)
+    if v.lora.enabled:
+        value = apply_lora(value, **_lora_kwargs(v.lora))
+    return value.to(device)
+
+
+# --------------------------------------------------------------------------------------------------
+# A whole run: resume, guards, checkpoints, signals, the final model
+# --------------------------------------------------------------------------------------------------
+
+
+class StopOnSignal:
+    """SIGINT / SIGTERM ask the loop to finish the current step, save and exit cleanly."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise LmppoError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+    return torch.device(name)
+
+
+def train(
+    cfg: Config,
+    *,
+    resume: bool = False,
+    allow_config_change: bool = False,
+    evaluator_factory: Callable[[PPOModels], Callable[[], dict[str, float]]] | None = None,
+) -> Path:
+    """Run (or resume) PPO as configured; returns the run directory. Raises LmppoError on a guard abort."""
+    device = resolve_device(cfg.run.device)
+    dist_info = init_distributed(device.type)
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    run_dir = Path(cfg.run.output_dir)
+    checkpoint = _checkpoint_to_resume(run_dir, resume)
+    seed_everything(rank_seed(cfg.run.seed, dist_info.rank))
+
+    models = load_models(cfg, device)
+    trainer = PPOTrainer(
+        cfg, models, load_prompts(cfg.data.prompts, cfg.data.split),
+        ptx_batches=_ptx_batches(cfg, models.tokenizer, device),
+        evaluator=evaluator_factory(models) if evaluator_factory else None,
+        group=dist_info.group, rank=dist_info.rank, world_size=dist_info.world_size,
+    )
+    guards = Guards(cfg.guards)
+    manifest = {"config": cfg.model_dump(mode="json"), "identities": models.identities,
+                "world_size": dist_info.world_size}
+
+    def save(tag: str) -> Path:
+        tensors, state = trainer.state_payload()
+        state["guards"] = guards.state_dict()
+        return save_checkpoint(run_dir / CHECKPOINTS_DIR, trainer.step_count, tensors=tensors, state=state,
+                               manifest=manifest, tag=tag, keep_last=cfg.run.keep_last)
+
+    if checkpoint is not None:
+        differences = check_compatible(checkpoint.manifest, manifest["config"], models.identities,
+                                       allow_config_change, dist_info.world_size)
+        manifest["resumed_with_differences"] = differences
+        trainer.load_state_payload(checkpoint.tensors, checkpoint.state)
+        guards.load_state_dict(checkpoint.state["guards"])
+    elif dist_info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        save("ok")  # step 0: the pre-PPO bundle is the first last-known-good checkpoint
+
+    with (
+        MetricsLogger(run_dir, cfg.logging.sinks, is_main_process=dist_info.is_main, run_name=cfg.logging.run_name,
+                      config=manifest["config"], resume_step=trainer.step_count if checkpoint else None) as logger,
+        ProgressDisplay(cfg.run.steps, quiet=cfg.logging.quiet, start_step=trainer.step_count,
+                        enabled=dist_info.is_main) as progress,
+        StopOnSignal() as stop,
+    ):
+        while trainer.step_count < cfg.run.steps:
+            metrics = reduce_metrics(trainer.step(), dist_info.group)
+            logger.log(trainer.step_count, metrics)
+            progress.update(trainer.step_count, metrics)
+            violation = guards.check(trainer.step_count, metrics)
+            if violation is not None:
+                aborted = save("aborted") if dist_info.is_main else None
+                raise LmppoError(
+                    f"guard {violation.rule!r} stopped the run at step {trainer.step_count}: {violation.message}\n"
+                    f"The state at the abort is in {aborted}; the last known good checkpoint is "
+                    f"{last_good_checkpoint(run_dir)} (the pre-PPO policy is {cfg.models.policy.path})."
+                )
+            if stop.requested:
+                if dist_info.is_main:
+                    path = save("interrupted")
+                    progress.console.print(f"{stop.requested}: saved {path}; continue with --resume")
+                return run_dir
+            every = cfg.run.checkpoint_every
+            if dist_info.is_main and every and trainer.step_count % every == 0 and trainer.step_count < cfg.run.steps:
+                save("ok")
+    if dist_info.is_main:
+        save("ok")
+        export_final(run_dir / "final", models, cfg)
+    return run_dir
+
+
+def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Checkpoint | None:
+    latest = latest_checkpoint(run_dir)
+    if resume:
+        if latest is None:
+            raise LmppoError(f"--resume: {run_dir} holds no checkpoint to resume; start the run without --resume")
+        return load_checkpoint(latest)
+    if latest is not None:
+        raise LmppoError(
+            f"{run_dir} already holds a run (checkpoint {latest.name}); continue it with --resume, or set "
+            "run.output_dir to a new directory"
+        )
+    return None
+
+
+def _ptx_batches(cfg: Config, tokenizer, device) -> Callable[[], dict[str, torch.Tensor]] | None:
+    """PPO-ptx: an endless, seeded stream of SFT batches from data.ptx_demonstrations."""
+    if cfg.data.ptx_demonstrations is None or cfg.ppo.ptx_coef == 0:
+        return None
+    examples = [{"prompt": p, "response": r} for p, r in load_demonstrations(cfg.data.ptx_demonstrations)]
+    rng = random.Random(cfg.run.seed)
+
+    def next_batch() -> dict[str, torch.Tensor]:
+        batch = sft_batch(tokenizer, rng.sample(examples, min(cfg.ppo.ptx_batch_size, len(examples))))
+        return {k: v.to(device) for k, v in batch.items()}
+
+    return next_batch
+
+
+def export_final(out_dir: Path, models: PPOModels, cfg: Config) -> Path:
+    """The trained policy as a plain transformers directory, with our decoding settings and a model card."""
+    policy = models.policy
+    if isinstance(policy, PeftModel):
+        policy = policy.merge_and_unload()  # training is over: fold the adapter into the weights
+    policy.generation_config = GenerationConfig(
+        do_sample=True, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        eos_token_id=sorted({*cfg.rollout.stop_token_ids, models.tokenizer.eos_token_id} - {None}),
+        pad_token_id=models.tokenizer.pad_token_id,
+    )
+    policy.save_pretrained(out_dir)
+    models.tokenizer.save_pretrained(out_dir)
+    reward = cfg.reward.model.path if cfg.reward.model else f"the function {cfg.reward.function}"
+    kl = (f"adaptive, target {cfg.kl.target} nats, horizon {cfg.kl.horizon}" if cfg.kl.adaptive
+          else f"fixed beta = {cfg.kl.beta}")
+    (out_dir / "README.md").write_text(
+        f"# PPO policy trained with lmppo\n\n"
+        f"- Started from: `{cfg.models.policy.path}` (reference: the starting weights)\n"
+        f"- Reward: {reward}; preprocessing: missing-EOS penalty {cfg.reward.missing_eos_penalty}, "
+        f"clip {cfg.reward.clip}, normalize {cfg.reward.normalize}\n"
+        f"- KL: {cfg.kl.estimator} estimator per token in the reward, {kl}\n"
+        f"- PPO: {cfg.run.steps} steps of {cfg.rollout.batch_size} prompts, {cfg.ppo.ppo_epochs} epochs, "
+        f"clip {cfg.ppo.clip_eps}, gamma {cfg.ppo.gamma}, lambda {cfg.ppo.lam}, lr {cfg.ppo.lr}\n"
+        f"- Decoding it was trained with (in generation_config.json): temperature {cfg.rollout.temperature}, "
+        f"top_k {cfg.rollout.top_k}, top_p {cfg.rollout.top_p}, max_new_tokens {cfg.rollout.max_new_tokens}\n\n"
+        "The evaluated artifact is these weights *with* that decoding and that reward preprocessing.\n"
+    )
+    return out_dir
