@@ -1,0 +1,228 @@
+"""Held-out evaluation of a policy: reward-model and gold scores, KL to the reference, alignment tax.
+
+Responses are *sampled* at the training temperature (and top-k / top-p), not decoded greedily: the
+evaluated artifact is the policy with its decoding, the KL estimate needs samples from the policy
+(a k1 sum over a greedy response is not a KL), and reward hacking shows up in what the sampler
+produces. Sampling noise is controlled instead: every evaluation draws from its own generator state
+seeded with ``seed`` (common random numbers, so SFT and PPO face the same noise), inside
+``torch.random.fork_rng`` so a periodic evaluation during PPO leaves the training RNG stream as it was.
+
+Metrics (DESIGN.md names): ``eval/rm_score``, ``eval/gold_score`` (when a gold judge is given),
+``eval/kl_ref`` (mean per-sequence sum of the k1 estimate, as ``kl/ref``), ``eval/demo_ppl``
+(perplexity of held-out demonstrations: the alignment tax), ``eval/length``, ``eval/eos_frac``, and
+from :func:`compare_policies` ``eval/win_rate`` (against the baseline policy on the same prompts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from rich.table import Table
+
+from lmppo.core import kl_estimate
+from lmppo.errors import LmppoError
+from lmppo.models import eval_mode
+from lmppo.rollout import HFGenerator, Prompt, Rollout, reference_logprobs
+from lmppo.scoring import RewardFunction
+from lmppo.sft import response_nll
+
+GoldJudge = Callable[[Prompt, str], float]  # (prompt, response text) -> score, e.g. lmppo.toy.task.gold_score
+
+# Per-row field -> the metric that averages it (overall and per slice).
+ROW_METRICS = {
+    "rm_score": "eval/rm_score",
+    "gold_score": "eval/gold_score",
+    "kl_ref": "eval/kl_ref",
+    "length": "eval/length",
+    "eos": "eval/eos_frac",
+}
+# (metric, column label) of the comparison table; "{baseline}" and "{judge}" are filled in.
+SUMMARY_COLUMNS = (
+    ("eval/rm_score", "RM score"),
+    ("eval/gold_score", "gold score"),
+    ("eval/win_rate", "win rate vs {baseline} ({judge})"),
+    ("eval/kl_ref", "KL to ref"),
+    ("eval/demo_ppl", "demo ppl"),
+    ("eval/length", "length"),
+    ("eval/eos_frac", "EOS rate"),
+)
+
+
+@dataclass
+class EvalResult:
+    """``metrics``: eval/* means; ``rows``: one dict per prompt (prompt, response, rm_score, and
+    gold_score, kl_ref, slice when available; length, eos); ``slices``: slice -> n and eval/* means."""
+
+    metrics: dict[str, float]
+    rows: list[dict] = field(default_factory=list)
+    slices: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def evaluate_policy(
+    policy,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    *,
+    reward_fn: RewardFunction,
+    reference=None,
+    gold_fn: GoldJudge | None = None,
+    demonstrations: Sequence[dict] | None = None,
+    slice_fn: Callable[[Prompt], str] | None = None,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    batch_size: int = 32,
+    seed: int = 0,
+    **generator_options,
+) -> EvalResult:
+    """Sample one response per held-out prompt and measure it (see the module docstring).
+
+    ``reference``: the frozen reference for ``eval/kl_ref``; ``gold_fn``: a per-row gold judge;
+    ``demonstrations``: held-out {"prompt", "response"} rows for ``eval/demo_ppl``; ``slice_fn``: a
+    prompt's slice name (e.g. ``lambda p: task_of(p).kind``) for per-slice means. ``generator_options``
+    go to :class:`HFGenerator` (top_k, top_p, stop_token_ids, chat_template, raw_prompts, ...).
+    """
+    if not prompts:
+        raise LmppoError("evaluation: no held-out prompts; check data.eval_prompts")
+    generator = HFGenerator(
+        policy, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, **generator_options
+    )
+    rows = []
+    with _seeded_rng(seed, policy):
+        for start in range(0, len(prompts), batch_size):
+            rollout = generator.generate(prompts[start : start + batch_size], policy_version=0)
+            rows += _measure(rollout, reward_fn, policy, reference, gold_fn, slice_fn)
+    metrics = _means(rows)
+    if demonstrations:
+        with eval_mode(policy):
+            metrics["eval/demo_ppl"] = math.exp(response_nll(policy, tokenizer, demonstrations, batch_size))
+    return EvalResult(metrics=metrics, rows=rows, slices=_slice_means(rows) if slice_fn else {})
+
+
+@contextlib.contextmanager
+def _seeded_rng(seed: int, model) -> Iterator[None]:
+    """Seed the RNG that ``generate`` samples from (CPU, or the model's GPU); restore it afterwards."""
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
+def _measure(rollout: Rollout, reward_fn, policy, reference, gold_fn, slice_fn) -> list[dict]:
+    """Per-row records of one generated batch."""
+    rm_scores = reward_fn(rollout.prompts, rollout.response_texts).tolist()
+    rows = [
+        {"prompt": prompt, "response": response, "rm_score": score, "length": int(length), "eos": bool(eos)}
+        for prompt, response, score, length, eos in zip(
+            rollout.prompts, rollout.response_texts, rm_scores, rollout.response_lengths, rollout.terminated
+        )
+    ]
+    if reference is not None:
+        for row, kl in zip(rows, _sequence_kl(policy, reference, rollout).tolist()):
+            row["kl_ref"] = kl
+    for row in rows:
+        if gold_fn is not None:
+            row["gold_score"] = float(gold_fn(row["prompt"], row["response"]))
+        if slice_fn is not None:
+            row["slice"] = str(slice_fn(row["prompt"]))
+    return rows
+
+
+def _sequence_kl(policy, reference, rollout: Rollout) -> torch.Tensor:
+    """(B,) per-sequence sum of k1 over the response mask.
+
+    The policy's log-probs come from the same full forward as the reference's (not the generation's
+    cached pass), so identical models give exactly 0.
+    """
+    logp = reference_logprobs(policy, rollout)
+    logp_ref = reference_logprobs(reference, rollout)
+    per_token = kl_estimate(logp, logp_ref, "k1")
+    return torch.where(rollout.response_mask.bool(), per_token, 0.0).sum(dim=1).cpu()
+
+
+def _means(rows: Sequence[dict]) -> dict[str, float]:
+    """eval/* mean of every per-row field present in the rows."""
+    return {
+        metric: sum(float(row[key]) for row in rows) / len(rows)
+        for key, metric in ROW_METRICS.items()
+        if rows and key in rows[0]
+    }
+
+
+def _slice_means(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """slice -> {"n", eval/* means} over the rows of that slice."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["slice"], []).append(row)
+    return {name: {"n": len(members), **_means(members)} for name, members in sorted(groups.items())}
+
+
+# --------------------------------------------------------------------------------------------------
+# Comparing policies
+# --------------------------------------------------------------------------------------------------
+
+
+def win_rate(scores_a: Sequence[float], scores_b: Sequence[float]) -> float:
+    """Fraction of paired rows where ``a`` beats ``b``; a tie counts half."""
+    if len(scores_a) != len(scores_b) or not scores_a:
+        raise ValueError(
+            f"win_rate needs two equally long, non-empty score lists, got {len(scores_a)} and {len(scores_b)}"
+        )
+    wins = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in zip(scores_a, scores_b))
+    return wins / len(scores_a)
+
+
+def compare_policies(results: dict[str, EvalResult], baseline: str | None = None) -> dict:
+    """The comparison table's data: ``{"baseline", "judge", "policies": {name: {metric: value}}}``.
+
+    Every policy must have been evaluated on the same prompts in the same order. ``eval/win_rate`` of
+    each non-baseline policy is against ``baseline`` (default: the first, e.g. SFT), judged by the gold
+    judge when every result has gold scores, else by the reward model (``judge`` says which).
+    """
+    if not results:
+        raise ValueError("compare_policies needs at least one EvalResult")
+    baseline = baseline or next(iter(results))
+    if baseline not in results:
+        raise LmppoError(f"baseline {baseline!r} is not among the evaluated policies {list(results)}")
+    base = results[baseline]
+    judge = "gold" if all("eval/gold_score" in r.metrics for r in results.values()) else "rm"
+    policies = {}
+    for name, result in results.items():
+        policies[name] = dict(result.metrics)
+        if name == baseline:
+            continue
+        if [row["prompt"] for row in result.rows] != [row["prompt"] for row in base.rows]:
+            raise LmppoError(
+                f"cannot compare {name!r} with {baseline!r}: they were evaluated on different prompts"
+            )
+        key = f"{judge}_score"
+        policies[name]["eval/win_rate"] = win_rate([r[key] for r in result.rows], [r[key] for r in base.rows])
+    return {"baseline": baseline, "judge": judge, "policies": policies}
+
+
+def summary_columns(summary: dict) -> list[tuple[str, str]]:
+    """(metric, label) of the columns at least one policy has a value for."""
+    present = {metric for values in summary["policies"].values() for metric in values}
+    names = {"baseline": summary["baseline"], "judge": summary["judge"]}
+    return [(metric, label.format(**names)) for metric, label in SUMMARY_COLUMNS if metric in present]
+
+
+def summary_table(summary: dict) -> Table:
+    """A ``rich`` table of :func:`compare_policies`: one row per policy, '-' where a value is missing."""
+    columns = summary_columns(summary)
+    table = Table(title="held-out evaluation")
+    table.add_column("policy")
+    for _, label in columns:
+        table.add_column(label, justify="right")
+    for name, values in summary["policies"].items():
+        table.add_row(name, *(f"{values[m]:.4g}" if m in values else "-" for m, _ in columns))
+    return table

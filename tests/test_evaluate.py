@@ -1,0 +1,148 @@
+import copy
+import io
+import math
+
+import pytest
+import torch
+from rich.console import Console
+
+from lmppo.errors import LmppoError
+from lmppo.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table, win_rate
+
+PROMPTS = ["tell me a story", "write a poem", "tell me about the sun", "write a short story"] * 3
+DEMOS = [
+    {"prompt": "tell me a story", "response": "a good day"},
+    {"prompt": "write a poem", "response": "the sun is happy"},
+]
+
+
+def word_count(prompts, responses) -> torch.Tensor:
+    """A tiny reward function: longer is better."""
+    return torch.tensor([float(len(r.split())) for r in responses])
+
+
+def says_good(prompt, response) -> float:
+    """A tiny gold judge."""
+    return float("good" in response.split())
+
+
+def evaluate(policy, tokenizer, **overrides) -> EvalResult:
+    settings = {"reward_fn": word_count, "max_new_tokens": 6, "batch_size": 5, "seed": 0}
+    return evaluate_policy(policy, tokenizer, PROMPTS, **{**settings, **overrides})
+
+
+def perturbed(model, scale: float = 0.5, seed: int = 1):
+    model = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator))
+    return model
+
+
+def test_metrics_rows_and_slices(policy_model, policy_tokenizer):
+    result = evaluate(
+        policy_model, policy_tokenizer, reference=copy.deepcopy(policy_model), gold_fn=says_good,
+        demonstrations=DEMOS, slice_fn=lambda prompt: prompt.split()[0],
+    )  # fmt: skip
+    expected = {
+        "eval/rm_score",
+        "eval/gold_score",
+        "eval/kl_ref",
+        "eval/demo_ppl",
+        "eval/length",
+        "eval/eos_frac",
+    }
+    assert set(result.metrics) == expected
+    assert all(math.isfinite(v) for v in result.metrics.values())
+    assert result.metrics["eval/demo_ppl"] > 1.0
+    assert 0.0 <= result.metrics["eval/eos_frac"] <= 1.0
+    assert 1.0 <= result.metrics["eval/length"] <= 6.0
+
+    assert [row["prompt"] for row in result.rows] == PROMPTS
+    for row in result.rows:
+        assert row["rm_score"] == len(row["response"].split())
+        assert row["gold_score"] == says_good(row["prompt"], row["response"])
+    assert result.metrics["eval/rm_score"] == pytest.approx(
+        sum(r["rm_score"] for r in result.rows) / len(PROMPTS)
+    )
+
+    assert set(result.slices) == {"tell", "write"}
+    assert sum(s["n"] for s in result.slices.values()) == len(PROMPTS)
+    tell = [r["length"] for r in result.rows if r["slice"] == "tell"]
+    assert result.slices["tell"]["eval/length"] == pytest.approx(sum(tell) / len(tell))
+
+
+def test_optional_inputs_leave_their_metrics_out(policy_model, policy_tokenizer):
+    result = evaluate(policy_model, policy_tokenizer)
+    assert set(result.metrics) == {"eval/rm_score", "eval/length", "eval/eos_frac"}
+    assert result.slices == {}
+    assert "gold_score" not in result.rows[0] and "kl_ref" not in result.rows[0]
+
+
+def test_kl_to_reference_is_zero_for_the_reference_and_positive_after_a_change(
+    policy_model, policy_tokenizer
+):
+    same = evaluate(policy_model, policy_tokenizer, reference=copy.deepcopy(policy_model))
+    assert same.metrics["eval/kl_ref"] == 0.0
+    moved = evaluate(perturbed(policy_model), policy_tokenizer, reference=policy_model)
+    assert moved.metrics["eval/kl_ref"] > 0.5
+
+
+def test_same_seed_same_responses_and_training_rng_untouched(policy_model, policy_tokenizer):
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first = evaluate(policy_model, policy_tokenizer, seed=7)
+    assert torch.equal(torch.get_rng_state(), state)  # periodic eval must not shift PPO's sampling
+    again = evaluate(policy_model, policy_tokenizer, seed=7)
+    other = evaluate(policy_model, policy_tokenizer, seed=8)
+    assert [r["response"] for r in first.rows] == [r["response"] for r in again.rows]
+    assert [r["response"] for r in first.rows] != [r["response"] for r in other.rows]
+
+
+def test_no_prompts_is_a_user_error(policy_model, policy_tokenizer):
+    with pytest.raises(LmppoError, match="no held-out prompts"):
+        evaluate_policy(policy_model, policy_tokenizer, [], reward_fn=word_count, max_new_tokens=4)
+
+
+def test_win_rate_counts_ties_half():
+    assert win_rate([1.0, 2.0, 3.0], [0.0, 2.0, 4.0]) == pytest.approx(0.5)
+    assert win_rate([2.0, 2.0], [1.0, 1.0]) == 1.0
+    assert win_rate([1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 2.0, 3.0]) == pytest.approx(0.375)
+    with pytest.raises(ValueError):
+        win_rate([1.0], [1.0, 2.0])
+
+
+def fake_result(gold: list[float] | None, prompts=("a", "b", "c"), rm: float = 1.0) -> EvalResult:
+    rows = [{"prompt": p, "response": "x", "rm_score": rm} for p in prompts]
+    metrics = {"eval/rm_score": rm, "eval/length": 3.0}
+    if gold is not None:
+        for row, g in zip(rows, gold):
+            row["gold_score"] = g
+        metrics["eval/gold_score"] = sum(gold) / len(gold)
+    return EvalResult(metrics=metrics, rows=rows)
+
+
+def test_compare_policies_win_rate_against_the_first_under_gold():
+    summary = compare_policies(
+        {"sft": fake_result([1.0, 1.0, 1.0]), "ppo": fake_result([2.0, 1.0, 0.0], rm=5.0)}
+    )
+    assert summary["baseline"] == "sft" and summary["judge"] == "gold"
+    assert summary["policies"]["ppo"]["eval/win_rate"] == pytest.approx(0.5)
+    assert "eval/win_rate" not in summary["policies"]["sft"]
+    assert summary["policies"]["ppo"]["eval/rm_score"] == 5.0
+
+    text = io.StringIO()
+    Console(file=text, width=200).print(summary_table(summary))
+    rendered = text.getvalue()
+    assert "win rate vs sft (gold)" in rendered and "KL to ref" not in rendered  # no reference given
+    assert "ppo" in rendered and "0.5" in rendered
+
+
+def test_compare_policies_falls_back_to_the_reward_model_and_checks_prompts():
+    summary = compare_policies({"sft": fake_result(None, rm=1.0), "ppo": fake_result(None, rm=2.0)})
+    assert summary["judge"] == "rm" and summary["policies"]["ppo"]["eval/win_rate"] == 1.0
+    with pytest.raises(LmppoError, match="baseline 'rl'"):
+        compare_policies({"sft": fake_result(None)}, baseline="rl")
+    with pytest.raises(LmppoError, match="different prompts"):
+        compare_policies({"sft": fake_result(None), "ppo": fake_result(None, prompts=("a", "b", "z"))})
