@@ -69,6 +69,11 @@ METRIC_NAMES: dict[str, str] = {
     "perf/peak_rss_mb": "peak resident memory of the process in MiB",
     "eval/rm_score": "mean reward-model score on the held-out prompts",
     "eval/gold_score": "mean gold-judge score on the held-out prompts, where a judge exists",
+    "eval/kl_ref": "mean per-sequence KL (k1) of the policy to the reference on held-out samples",
+    "eval/demo_ppl": "perplexity of held-out demonstrations under the policy (the alignment tax)",
+    "eval/length": "mean response length on held-out prompts, EOS included",
+    "eval/eos_frac": "fraction of held-out responses that ended with a stop token",
+    "eval/win_rate": "share of held-out prompts where this policy beats the baseline (gold judge; ties half)",
 }
 
 # How a per-rank scalar becomes a global one; every other metric is averaged over ranks.

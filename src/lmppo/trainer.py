@@ -530,8 +530,7 @@ def _load_value_model(cfg: Config, policy: nn.Module, reward_model: nn.Module | 
                              "with a programmatic reward use models.value.init_from=policy")
         value = ValueModel.from_reward_model(reward_model)
     else:
-        base = policy.get_base_model() if isinstance(policy, PeftModel) else policy
-        value = ValueModel.from_causal_lm(base)
+        value = ValueModel.from_causal_lm(policy)
     if v.lora.enabled:
         value = apply_lora(value, **_lora_kwargs(v.lora))
     return value.to(device)

@@ -1,0 +1,507 @@
+"""The four models of PPO-RLHF: loading, freezing, LoRA, the value model and identity records.
+
+- Policy and reference are causal LMs; the reward model is a sequence scorer
+  (``AutoModelForSequenceClassification``, one label); the value model is a backbone with a scalar head.
+- Everything loads from local files only: a transformers directory (safetensors), a GGUF file, or a hub id
+  that is already in the local Hugging Face cache. Nothing is ever downloaded.
+- With LoRA the reference is the policy with its adapter disabled (:class:`LoraReference`): no second copy
+  of the weights.
+- Frozen models are in ``eval()`` with no grads; trained models are put in ``eval()`` by :func:`eval_mode`
+  for the passes whose results are stored (dropout there makes ``logp_old`` irreproducible).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from lmppo.errors import LmppoError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+# --------------------------------------------------------------------------------------------------
+# Locating model files (never downloading)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: a local directory, plus the GGUF file name inside it if any."""
+
+    directory: Path
+    gguf_file: str | None = None
+
+    def __str__(self) -> str:
+        return str(self.directory / self.gguf_file) if self.gguf_file else str(self.directory)
+
+
+def resolve_source(path: str | os.PathLike, gguf_file: str | None = None) -> ModelSource:
+    """Find a model on disk: a directory, a ``.gguf`` file, or a hub id already in the local HF cache.
+
+    Raises :class:`LmppoError` when nothing is on disk: lmppo never downloads.
+    """
+    local = Path(path).expanduser()
+    if local.is_file() and local.suffix == ".gguf" and gguf_file is None:
+        return ModelSource(local.parent, local.name)
+    if local.is_dir():
+        if gguf_file is not None and not (local / gguf_file).is_file():
+            raise LmppoError(
+                f"GGUF file {gguf_file!r} not found in {local}; check `gguf_file` in the config."
+            )
+        return ModelSource(local, gguf_file)
+    cached = _local_hub_snapshot(str(path))
+    if cached is None:
+        raise LmppoError(
+            f"model path {str(path)!r} does not exist and is not in the local Hugging Face cache. "
+            "lmppo never downloads models: fetch it first (e.g. `hf download ORG/NAME --local-dir DIR`) "
+            "and point the config at that directory."
+        )
+    return resolve_source(cached, gguf_file)
+
+
+def _local_hub_snapshot(repo_id: str) -> Path | None:
+    """The cached snapshot directory of ``repo_id`` if the HF cache already holds it, else None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return None
+
+
+def _from_pretrained_kwargs(source: ModelSource, dtype: str, trust_remote_code: bool) -> dict:
+    if dtype not in DTYPES:
+        raise LmppoError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}.")
+    kwargs = {"dtype": DTYPES[dtype], "local_files_only": True, "trust_remote_code": trust_remote_code}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    return kwargs
+
+
+def _load_error(what: str, source: ModelSource, err: Exception) -> LmppoError:
+    if "trust_remote_code" in str(err):
+        return LmppoError(
+            f"{what} at {source} needs custom code from its repository; set `trust_remote_code: true` "
+            f"in the model config only if you trust that code. (transformers: {err})"
+        )
+    return LmppoError(f"cannot load {what} from {source}: {err}")
+
+
+def load_tokenizer(
+    path: str | os.PathLike, gguf_file: str | None = None, *, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
+    """The tokenizer (with its chat template) of a local model directory or GGUF file."""
+    source = resolve_source(path, gguf_file)
+    kwargs = {"local_files_only": True, "trust_remote_code": trust_remote_code}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    try:
+        return AutoTokenizer.from_pretrained(source.directory, **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        if source.gguf_file:
+            raise LmppoError(
+                f"GGUF file {source} has no usable tokenizer ({err}); use a GGUF file that embeds its "
+                "tokenizer, or convert the model to a transformers directory that has one."
+            ) from err
+        raise _load_error("the tokenizer", source, err) from err
+
+
+def load_causal_lm(
+    path: str | os.PathLike,
+    *,
+    gguf_file: str | None = None,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """A causal LM (policy or reference) from a local directory or GGUF file, in ``dtype``."""
+    source = resolve_source(path, gguf_file)
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            source.directory, **_from_pretrained_kwargs(source, dtype, trust_remote_code)
+        )
+    except (OSError, ValueError) as err:
+        raise _load_error("a causal LM", source, err) from err
+
+
+def load_reward_model(
+    path: str | os.PathLike,
+    *,
+    gguf_file: str | None = None,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """A frozen sequence-scoring reward model (one label) from a local directory or GGUF file.
+
+    A checkpoint without a trained score head (e.g. a plain causal LM) is refused: transformers would
+    silently give it a randomly initialised head.
+    """
+    source = resolve_source(path, gguf_file)
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            source.directory,
+            num_labels=1,
+            output_loading_info=True,
+            **_from_pretrained_kwargs(source, dtype, trust_remote_code),
+        )
+    except (OSError, ValueError, RuntimeError) as err:
+        raise _load_error("a reward model", source, err) from err
+    untrained_head = [key for key in info["missing_keys"] if key.split(".")[0] == "score"]
+    if untrained_head:
+        raise LmppoError(
+            f"{source} has no trained score head ({', '.join(untrained_head)} missing): it is not a reward "
+            "model. Train one with `lmppo train-rm`, or point `reward.model.path` at a reward-model checkpoint."
+        )
+    return freeze(model)
+
+
+def cache_gguf_as_transformers(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Convert a GGUF model once into a plain transformers directory (fp32 safetensors + tokenizer).
+
+    Loading a GGUF file dequantises every tensor and converts the tokenizer (tens of seconds); the
+    directory loads in about a second. ``save_pretrained`` refuses GGUF-loaded models, so the weights are
+    moved into a fresh model built from the config without its ``quantization_config``. The directory
+    records the GGUF file's sha256 and is rebuilt when the file changes. Returns ``out_dir``.
+    """
+    source = resolve_source(gguf_path)
+    if source.gguf_file is None:
+        raise LmppoError(f"{gguf_path} is not a .gguf file.")
+    out_dir = Path(out_dir)
+    gguf_sha256 = _file_sha256(source.directory / source.gguf_file)
+    marker = out_dir / "lmppo_gguf_source.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("gguf_sha256") == gguf_sha256:
+        return out_dir
+    tokenizer = load_tokenizer(source.directory, source.gguf_file)
+    gguf_model = load_causal_lm(source.directory, gguf_file=source.gguf_file)
+    config = gguf_model.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    staging = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / marker.name).write_text(json.dumps({"gguf_file": str(source), "gguf_sha256": gguf_sha256}))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(staging, out_dir)  # readers see either no directory or a complete one
+    return out_dir
+
+
+# --------------------------------------------------------------------------------------------------
+# Modes: frozen, eval for stored passes
+# --------------------------------------------------------------------------------------------------
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Make ``model`` frozen: ``eval()`` (no dropout) and no parameter gradients. Returns it."""
+    model.requires_grad_(False)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def eval_mode(*models) -> Iterator[None]:
+    """Switch ``models`` to ``eval()`` (dropout off) and restore each one's training flag afterwards."""
+    was_training = [model.training for model in models]
+    try:
+        for model in models:
+            model.eval()
+        yield
+    finally:
+        for model, training in zip(models, was_training):
+            model.train(training)
+
+
+def unwrap_model(model):
+    """The underlying transformers model of a peft model or :class:`LoraReference`; else ``model``."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def trainable_parameters(*models: nn.Module) -> list[nn.Parameter]:
+    """Parameters with ``requires_grad`` across ``models``, each once (a shared trunk is not repeated)."""
+    seen: set[int] = set()
+    params = []
+    for model in models:
+        for param in model.parameters():
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+    return params
+
+
+# --------------------------------------------------------------------------------------------------
+# Value model
+# --------------------------------------------------------------------------------------------------
+
+
+class ValueModel(nn.Module):
+    """A transformer backbone with a scalar head: ``V(s_t)`` at every position.
+
+    ``forward(input_ids, attention_mask, position_ids) -> (B, T)`` float32: entry ``t`` is the value of the
+    state whose last token is ``input_ids[:, t]`` (it is read at the position that predicts token ``t+1``).
+    Build it with :meth:`from_reward_model`, :meth:`from_causal_lm` (separate networks, deep copies) or
+    :meth:`shared_trunk` (a head on the policy's own backbone).
+    """
+
+    def __init__(self, backbone: nn.Module, head: nn.Linear, *, shared_trunk: bool = False) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+        self.shared_trunk = shared_trunk  # backbone is the policy's: optimise it once, via the policy
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # (B, T, H)
+        return self.head(hidden).squeeze(-1).float()
+
+    @classmethod
+    def from_reward_model(cls, reward_model: PreTrainedModel, *, copy_weights: bool = True) -> ValueModel:
+        """Backbone and score head of a reward model: a trainable copy, or (``copy_weights=False``) a view."""
+        backbone, head = reward_model.base_model, _score_head(reward_model)
+        if copy_weights:
+            backbone, head = copy.deepcopy(backbone), copy.deepcopy(head)
+            backbone.requires_grad_(True)
+            head.requires_grad_(True)
+        return cls(backbone, head)
+
+    @classmethod
+    def from_causal_lm(cls, causal_lm: PreTrainedModel) -> ValueModel:
+        """A trainable copy of a causal LM's backbone with a new zero-initialised head (``V = 0`` at start).
+
+        With a LoRA policy the copy drops the adapter layers peft injected (it starts from the base).
+        """
+        backbone = _without_adapters(copy.deepcopy(unwrap_model(causal_lm).get_decoder()))
+        backbone.requires_grad_(True)
+        return cls(backbone, _zero_head(backbone, causal_lm.config.hidden_size))
+
+    @classmethod
+    def shared_trunk(cls, policy: nn.Module) -> ValueModel:
+        """A zero-initialised value head on the policy's backbone (shared trunk; LoRA layers included).
+
+        Train it with ``trainable_parameters(policy, value_model)`` and get logits and values from one
+        backbone pass with :func:`lmppo.rollout.policy_logits_and_values`.
+        """
+        backbone = policy.get_decoder()
+        return cls(backbone, _zero_head(backbone, policy.config.hidden_size), shared_trunk=True)
+
+
+def _without_adapters(module: nn.Module) -> nn.Module:
+    """Replace every peft-injected layer in ``module`` by the base layer it wraps (in place)."""
+    for name, child in module.named_children():
+        if isinstance(child, BaseTunerLayer):
+            setattr(module, name, child.get_base_layer())
+        else:
+            _without_adapters(child)
+    return module
+
+
+def _score_head(reward_model: PreTrainedModel) -> nn.Linear:
+    head = getattr(reward_model, "score", None)
+    if not isinstance(head, nn.Linear) or head.out_features != 1:
+        raise LmppoError(
+            f"{type(reward_model).__name__} has no one-output `score` head; lmppo reads rewards from "
+            "`*ForSequenceClassification` models of causal LMs with num_labels=1."
+        )
+    return head
+
+
+def _zero_head(backbone: nn.Module, hidden_size: int) -> nn.Linear:
+    param = next(backbone.parameters())
+    head = nn.Linear(hidden_size, 1, device=param.device, dtype=param.dtype)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA and the reference
+# --------------------------------------------------------------------------------------------------
+
+
+def apply_lora(
+    model: nn.Module,
+    *,
+    r: int,
+    alpha: float,
+    dropout: float = 0.0,
+    target_modules: str | list[str] = "all-linear",
+) -> nn.Module:
+    """Wrap a causal LM (returns a ``PeftModel``) or a separate :class:`ValueModel`'s backbone with LoRA.
+
+    Only the adapter (and a value model's head) stays trainable. ``target_modules="all-linear"`` targets
+    every linear layer except the output layer.
+    """
+    config = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": target_modules}
+    if isinstance(model, ValueModel):
+        if model.shared_trunk:
+            raise LmppoError("a shared-trunk value model gets LoRA through the policy; apply LoRA there.")
+        model.backbone = get_peft_model(model.backbone, LoraConfig(task_type="FEATURE_EXTRACTION", **config))
+        return model
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **config))
+
+
+class LoraReference:
+    """The frozen reference of a LoRA policy: the same base weights, run with the adapter disabled.
+
+    Deliberately not an ``nn.Module``: the policy is not registered a second time (no duplicate
+    parameters in ``parameters()``, ``state_dict()`` or DDP). Train/eval flags are the policy's.
+    """
+
+    def __init__(self, policy: PeftModel) -> None:
+        if not isinstance(policy, PeftModel):
+            raise TypeError("LoraReference needs a peft-wrapped policy; see apply_lora")
+        self.policy = policy
+
+    def __call__(self, **kwargs):
+        with self.policy.disable_adapter():
+            return self.policy(**kwargs)
+
+    @property
+    def training(self) -> bool:
+        return self.policy.training
+
+    def train(self, mode: bool = True) -> LoraReference:
+        self.policy.train(mode)
+        return self
+
+    def eval(self) -> LoraReference:
+        return self.train(False)
+
+    @property
+    def config(self):
+        return self.policy.config
+
+    def get_base_model(self) -> PreTrainedModel:
+        return self.policy.get_base_model()
+
+
+def make_reference(policy: nn.Module) -> nn.Module | LoraReference:
+    """The reference for ``policy`` (call before training): adapter-disabled view with LoRA, else a frozen copy."""
+    if isinstance(policy, PeftModel):
+        return LoraReference(policy)
+    return freeze(copy.deepcopy(policy))
+
+
+# --------------------------------------------------------------------------------------------------
+# Identity records (stored in every checkpoint manifest)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a model is: where it came from, hashes of its files and tokenizer, how it is set up."""
+
+    role: str  # policy | reference | reward | value
+    source: str | None  # directory or GGUF file; None for a model built in memory
+    weights_sha256: str | None  # of the starting weight files (see weights_sha256)
+    tokenizer_sha256: str | None
+    chat_template_sha256: str | None
+    dtype: str
+    num_parameters: int
+    trainable_parameters: int
+    shared_with: str | None  # role whose weights this model shares (LoRA reference, shared trunk)
+    lora: dict | None  # r, alpha, dropout, target_modules, adapter ("enabled" / "disabled")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def model_identity(
+    role: str,
+    model,
+    *,
+    source: ModelSource | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    chat_template: str | None = None,
+    shared_with: str | None = None,
+) -> ModelIdentity:
+    """Identity record of ``model`` in ``role``. ``chat_template`` overrides the tokenizer's template."""
+    view = isinstance(model, LoraReference)  # the policy's base weights, adapter excluded
+    module = model.policy if view else model
+    params = [p for name, p in module.named_parameters() if not (view and "lora_" in name)]  # tied once
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    return ModelIdentity(
+        role=role,
+        source=str(source) if source else None,
+        weights_sha256=weights_sha256(source) if source else None,
+        tokenizer_sha256=tokenizer_sha256(tokenizer) if tokenizer is not None else None,
+        chat_template_sha256=_text_sha256(json.dumps(template, sort_keys=True)) if template else None,
+        dtype=str(params[0].dtype).removeprefix("torch."),
+        num_parameters=sum(p.numel() for p in params),
+        trainable_parameters=0 if view else sum(p.numel() for p in params if p.requires_grad),
+        shared_with=shared_with,
+        lora=_lora_record(model),
+    )
+
+
+def _lora_record(model) -> dict | None:
+    peft_model = model.policy if isinstance(model, LoraReference) else model
+    if isinstance(peft_model, ValueModel):
+        peft_model = peft_model.backbone
+    if not isinstance(peft_model, PeftModel):
+        return None
+    config = peft_model.peft_config[peft_model.active_adapter]
+    targets = config.target_modules
+    return {
+        "r": config.r,
+        "alpha": config.lora_alpha,
+        "dropout": config.lora_dropout,
+        "target_modules": sorted(targets) if isinstance(targets, (set, list)) else targets,
+        "adapter": "disabled" if isinstance(model, LoraReference) else "enabled",
+    }
+
+
+def weights_sha256(source: ModelSource) -> str:
+    """sha256 over a model's weight files (name and content hash of each, sorted by name)."""
+    if source.gguf_file:
+        files = [source.directory / source.gguf_file]
+    else:
+        files = sorted(p for p in source.directory.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    if not files:
+        raise LmppoError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {source}.")
+    return _text_sha256("".join(f"{p.name}:{_file_sha256(p)}\n" for p in files))
+
+
+def tokenizer_sha256(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 of the tokenizer's full definition (vocab, merges, normalisation, special tokens)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    definition = (
+        backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    )
+    return _text_sha256(definition + json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str))
+
+
+def _text_sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,476 @@
+"""Rollouts: sampling responses from the policy and the stored forward passes over them.
+
+Layout (see docs/rollout.md): queries are left-padded ``(B, Q)``; per-token tensors are ``(B, R)`` over
+response positions. ``logp_old[:, t] = log pi(response[t] | query, response[:t])`` at the sampling
+temperature; ``values[:, t]`` is V of the state before response token ``t``; ``response_mask`` is 1 on
+generated tokens up to and including the first stop token.
+
+Every forward over a (query, response) batch goes through :func:`sequence_inputs`: the attention mask
+comes from the tokenizer (never from ``ids != pad``, which hides a real EOS when pad == EOS) and
+``position_ids`` are explicit (left padding without them shifts positions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase
+
+from lmppo.core import last_response_index, token_logprobs
+from lmppo.errors import LmppoError
+from lmppo.models import ValueModel, eval_mode, unwrap_model
+
+Prompt = str | list[dict[str, str]]  # plain user text, or a list of chat messages
+
+
+# --------------------------------------------------------------------------------------------------
+# The rollout batch
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollout:
+    """One batch of sampled responses with everything PPO needs from the sampling policy.
+
+    Tensors: ``query_ids`` (B, Q) long, left-padded; ``query_mask`` (B, Q) long, 1 = real prompt token;
+    ``response_ids`` (B, R) long; ``response_mask`` (B, R) float; ``terminated`` (B,) bool (emitted a
+    stop token; else truncated at ``max_new_tokens``); ``logp_old`` (B, R) float32 at ``temperature``.
+    ``sampling_truncated``: top-k / top-p were on, so ``logp_old`` (of the untruncated tempered
+    distribution) is slightly off-policy. ``extras``: per-row tensors added later (``logp_ref``,
+    ``values``, advantages, ...); they follow :meth:`select`, :meth:`minibatches` and :meth:`to`.
+    """
+
+    query_ids: torch.Tensor
+    query_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    terminated: torch.Tensor
+    logp_old: torch.Tensor
+    policy_version: int
+    created_at: float
+    prompts: list
+    response_texts: list[str]
+    temperature: float = 1.0
+    sampling_truncated: bool = False
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    _ROW_TENSORS = ("query_ids", "query_mask", "response_ids", "response_mask", "terminated", "logp_old")
+
+    def __len__(self) -> int:
+        return self.query_ids.shape[0]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """(B,) long: counted response tokens per row (stop token included)."""
+        return self.response_mask.sum(dim=1).long()
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    def sequence_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(input_ids, attention_mask, position_ids)``, each (B, Q + R), for a forward pass."""
+        return sequence_inputs(self.query_ids, self.query_mask, self.response_ids)
+
+    def select(self, index) -> Rollout:
+        """The rows ``index`` (ints, slice, bool mask or index tensor) as a new rollout."""
+        if isinstance(index, torch.Tensor):
+            index = index.cpu()
+        rows = torch.arange(len(self))[index].reshape(-1)
+        picked = {
+            name: getattr(self, name)[rows.to(getattr(self, name).device)] for name in self._ROW_TENSORS
+        }
+        return dataclasses.replace(
+            self,
+            **picked,
+            prompts=[self.prompts[i] for i in rows.tolist()],
+            response_texts=[self.response_texts[i] for i in rows.tolist()],
+            extras={name: value[rows.to(value.device)] for name, value in self.extras.items()},
+        )
+
+    def minibatches(self, size: int, shuffle_generator: torch.Generator | None = None) -> Iterator[Rollout]:
+        """Consecutive minibatches of ``size`` rows (the last may be smaller), shuffled when given a generator."""
+        if shuffle_generator is None:
+            order = torch.arange(len(self))
+        else:
+            order = torch.randperm(len(self), generator=shuffle_generator)
+        for start in range(0, len(self), size):
+            yield self.select(order[start : start + size])
+
+    def to(self, device: torch.device | str) -> Rollout:
+        return dataclasses.replace(
+            self,
+            **{name: getattr(self, name).to(device) for name in self._ROW_TENSORS},
+            extras={name: value.to(device) for name, value in self.extras.items()},
+        )
+
+
+def sequence_inputs(
+    query_ids: torch.Tensor, query_mask: torch.Tensor, response_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate a left-padded query (B, Q) and a response (B, R) into forward inputs, each (B, Q + R).
+
+    Every response position is attended, as during generation; positions after a stop token only feed
+    later positions, which are masked out. Position ids count real tokens only, as ``generate`` does.
+    """
+    input_ids = torch.cat([query_ids, response_ids], dim=1)
+    attention_mask = torch.cat([query_mask.long(), torch.ones_like(response_ids)], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
+
+
+def response_mask_from_ids(
+    response_ids: torch.Tensor, stop_token_ids: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Response mask and termination flags from generated ids.
+
+    ``response_mask[b, t] = 1`` for tokens up to and including the first stop token of row b, 0 after
+    it (padding, and any later stop or pad token even when pad == EOS). ``terminated[b]``: row b emitted
+    a stop token. ``response_ids`` (B, R) -> ``((B, R) float, (B,) bool)``.
+    """
+    stops = torch.as_tensor(list(stop_token_ids), device=response_ids.device)
+    is_stop = torch.isin(response_ids, stops).long()  # (B, R)
+    stops_before = is_stop.cumsum(dim=1) - is_stop  # stop tokens strictly before t
+    return (stops_before == 0).float(), is_stop.any(dim=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward passes over a rollout
+# --------------------------------------------------------------------------------------------------
+
+
+def response_logits(model, batch: Rollout, temperature: float | None = None) -> torch.Tensor:
+    """Logits predicting each response token, divided by the temperature. -> (B, R, V) float32.
+
+    Row ``t`` comes from the position before response token ``t`` (the last query token for t = 0).
+    Only those R positions are projected onto the vocabulary (``logits_to_keep``). Runs with whatever
+    grad mode and train/eval mode the caller set (the PPO update calls it with grad).
+    ``temperature`` defaults to the rollout's sampling temperature.
+    """
+    out, _ = _response_forward(model, batch)
+    return _tempered(out.logits, batch, temperature)
+
+
+def policy_logits_and_values(
+    policy, value_model: ValueModel, batch: Rollout, temperature: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared trunk: response logits (B, R, V) and values (B, R) from ONE backbone pass of the policy.
+
+    ``value_model`` must be ``ValueModel.shared_trunk(policy)``; its head reads the policy's last hidden
+    state at the same positions as the logits.
+    """
+    if not value_model.shared_trunk:
+        raise ValueError("policy_logits_and_values needs a shared-trunk value model; use value_predictions")
+    out, keep = _response_forward(policy, batch, output_hidden_states=True)
+    values = value_model.head(out.hidden_states[-1][:, keep]).squeeze(-1).float()  # (B, R)
+    return _tempered(out.logits, batch, temperature), values
+
+
+def _response_forward(model, batch: Rollout, **kwargs):
+    """One forward over (query, response), projecting only the R positions that predict response tokens."""
+    input_ids, attention_mask, position_ids = batch.sequence_inputs()
+    queries, responses = batch.query_ids.shape[1], batch.response_ids.shape[1]
+    keep = torch.arange(queries - 1, queries + responses - 1, device=input_ids.device)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=keep,
+        use_cache=False,
+        **kwargs,
+    )
+    return out, keep
+
+
+def _tempered(logits: torch.Tensor, batch: Rollout, temperature: float | None) -> torch.Tensor:
+    if logits.shape[1] != batch.response_ids.shape[1]:
+        raise TypeError(
+            "the model ignored `logits_to_keep`; lmppo needs a transformers causal LM that supports it"
+        )
+    temperature = batch.temperature if temperature is None else temperature
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def _micro_batches(rollout: Rollout, size: int | None) -> Iterator[Rollout]:
+    size = size or len(rollout)
+    for start in range(0, len(rollout), size):
+        yield rollout.select(slice(start, start + size))
+
+
+def reference_logprobs(
+    ref_model, rollout: Rollout, temperature: float | None = None, *, micro_batch_size: int | None = None
+) -> torch.Tensor:
+    """Log-probs of the sampled tokens under ``ref_model`` (B, R) float32, eval mode, no grad.
+
+    The temperature defaults to the sampling temperature, so the KL compares like with like.
+    Values at masked positions are finite but meaningless.
+    """
+    with torch.inference_mode(), eval_mode(ref_model):
+        logp_ref = torch.cat(
+            [
+                token_logprobs(response_logits(ref_model, mb, temperature), mb.response_ids)
+                for mb in _micro_batches(rollout, micro_batch_size)
+            ]
+        )
+    return logp_ref.clone()  # a normal tensor: inference tensors cannot meet autograd later
+
+
+def value_predictions(
+    value_model: ValueModel, rollout: Rollout, *, micro_batch_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored values for GAE, eval mode, no grad.
+
+    Returns ``values`` (B, R): ``values[:, t] = V(query + response[:t])``, read at the position that
+    predicts token t; and ``bootstrap_value`` (B,): V of the state after the row's last response token
+    for truncated rows, **0 for terminated rows** (ready for ``core.gae``).
+    """
+    values, bootstrap = [], []
+    with torch.inference_mode(), eval_mode(value_model):
+        for mb in _micro_batches(rollout, micro_batch_size):
+            queries, responses = mb.query_ids.shape[1], mb.response_ids.shape[1]
+            # (b, R + 1): the state before each response token, then the state after the last column
+            v = value_model(*mb.sequence_inputs())[:, queries - 1 :]
+            after_last = v.gather(1, (last_response_index(mb.response_mask) + 1).unsqueeze(1)).squeeze(1)
+            values.append(v[:, :responses])
+            bootstrap.append(torch.where(mb.terminated, 0.0, after_last))
+    return torch.cat(values), torch.cat(bootstrap)  # cat outside inference mode: normal tensors
+
+
+# --------------------------------------------------------------------------------------------------
+# Generation
+# --------------------------------------------------------------------------------------------------
+
+
+class Generator(Protocol):
+    """Anything that turns prompts into a :class:`Rollout` (transformers here; a vLLM engine later)."""
+
+    def generate(self, prompts: Sequence[Prompt], policy_version: int) -> Rollout: ...
+
+
+class _SampledTokenLogprobs(LogitsProcessor):
+    """Records ``log softmax(logits / T)`` of each sampled token during ``generate``.
+
+    transformers applies custom processors after its own (all off here) and before temperature, top-k
+    and top-p, so this sees the model's raw logits. The token sampled from step t's scores is only visible
+    (as the last input id) at step t + 1, so one step's log-softmax (B, V) is kept pending; the last
+    step's is resolved in :meth:`finish`. Memory: O(B * V), not O(B * R * V) as with ``output_logits``.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.steps: list[torch.Tensor] = []
+        self.pending: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, response_ids: torch.Tensor) -> torch.Tensor:
+        """(B, R) float32 log-probs of ``response_ids``."""
+        self.steps.append(self.pending.gather(1, response_ids[:, -1:]).squeeze(1))
+        if len(self.steps) != response_ids.shape[1]:
+            raise RuntimeError(
+                f"recorded {len(self.steps)} steps for {response_ids.shape[1]} generated tokens"
+            )
+        return torch.stack(self.steps, dim=1)
+
+
+@contextlib.contextmanager
+def _neutral_generation_config(model) -> Iterator[None]:
+    """Hide the checkpoint's ``generation_config`` during ``generate``.
+
+    transformers fills every field our config leaves ``None`` (min_p, typical_p, suppress_tokens,
+    sequence_bias, ...) from the model's ``generation_config.json``; a neutral one leaves only the
+    library defaults, and we set every sampling field whose default is not neutral.
+    """
+    target = unwrap_model(model)
+    saved = target.generation_config
+    target.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        target.generation_config = saved
+
+
+class HFGenerator:
+    """Samples responses with transformers ``generate`` (KV cache, left-padded batch).
+
+    Prompts are rendered with the tokenizer's own chat template (or ``chat_template``) and
+    ``add_generation_prompt=True``; ``raw_prompts=True`` tokenises prompt strings as they are. Only
+    temperature, top-k and top-p shape the sampling distribution: repetition penalty, n-gram blocking,
+    min length, min-p, typical-p, suppressed tokens and every other processor are off, whatever the
+    checkpoint's ``generation_config`` says. Generation stops at the tokenizer's EOS and ``stop_token_ids``.
+
+    A rendered prompt longer than ``max_prompt_length`` (default: the context window minus
+    ``max_new_tokens``) is an error naming the row, unless ``truncate_prompts`` keeps its last tokens.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop_token_ids: Sequence[int] | None = None,
+        chat_template: str | None = None,
+        raw_prompts: bool = False,
+        max_prompt_length: int | None = None,
+        truncate_prompts: bool = False,
+    ) -> None:
+        if temperature <= 0:
+            raise LmppoError(f"temperature must be > 0 for PPO sampling, got {temperature}.")
+        if max_new_tokens < 1 or top_k < 0 or not 0 < top_p <= 1:
+            raise LmppoError(
+                f"need max_new_tokens >= 1, top_k >= 0, 0 < top_p <= 1; got {max_new_tokens}, {top_k}, {top_p}."
+            )
+        if not raw_prompts and chat_template is None and not tokenizer.chat_template:
+            raise LmppoError(
+                "the policy tokenizer has no chat template: set `models.policy.chat_template`, or "
+                "`data.raw_prompts: true` to feed prompt strings to the model as they are."
+            )
+        stops = {int(i) for i in stop_token_ids or []}
+        if tokenizer.eos_token_id is not None:
+            stops.add(tokenizer.eos_token_id)
+        if not stops:
+            raise LmppoError("the tokenizer has no EOS token; give `stop_token_ids` so responses can end.")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.stop_token_ids = sorted(stops)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
+        self.chat_template, self.raw_prompts = chat_template, raw_prompts
+        self.truncate_prompts = truncate_prompts
+        self.max_prompt_length = self._prompt_limit(max_prompt_length)
+        self.sampling_truncated = top_k > 0 or top_p < 1.0
+        if self.sampling_truncated:
+            warnings.warn(
+                f"top_k={top_k} / top_p={top_p}: logp_old is recorded from the untruncated tempered "
+                "distribution, so rollouts are slightly off-policy (the PPO ratio at the first epoch is not "
+                "exactly 1). Rollout.sampling_truncated is set for logging.",
+                stacklevel=2,
+            )
+
+    def _prompt_limit(self, max_prompt_length: int | None) -> int | None:
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context is not None and self.max_new_tokens >= context:
+            raise LmppoError(
+                f"max_new_tokens={self.max_new_tokens} leaves no room for a prompt in the {context}-token context."
+            )
+        room = None if context is None else context - self.max_new_tokens
+        if max_prompt_length is None:
+            return room
+        if room is not None and max_prompt_length > room:
+            raise LmppoError(
+                f"max_prompt_length={max_prompt_length} + max_new_tokens={self.max_new_tokens} exceeds the "
+                f"model's {context}-token context window."
+            )
+        return max_prompt_length
+
+    def render(self, prompt: Prompt) -> list[int]:
+        """Token ids of one prompt, ready for generation (chat template with the generation prompt)."""
+        if self.raw_prompts:
+            if not isinstance(prompt, str):
+                raise LmppoError("raw_prompts needs plain-text prompts, got chat messages.")
+            return self.tokenizer(prompt).input_ids
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        text = self.tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False
+        )
+        return self.tokenizer(text, add_special_tokens=False).input_ids  # the template holds any BOS
+
+    def _query_batch(self, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not prompts:
+            raise LmppoError("no prompts to generate from.")
+        rows = []
+        for i, prompt in enumerate(prompts):
+            ids = self.render(prompt)
+            if not ids:
+                raise LmppoError(
+                    f"prompt {i} renders to no tokens; the model needs at least one to condition on."
+                )
+            if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
+                if not self.truncate_prompts:
+                    raise LmppoError(
+                        f"prompt {i} is {len(ids)} tokens after rendering, over the limit of "
+                        f"{self.max_prompt_length} (context window minus max_new_tokens={self.max_new_tokens}). "
+                        "Shorten it, or set `data.truncate_prompts: true` to keep its last tokens."
+                    )
+                ids = ids[-self.max_prompt_length :]  # keep the end: it holds the generation prompt
+            rows.append(ids)
+        width = max(len(ids) for ids in rows)
+        query_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        query_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, ids in enumerate(rows):
+            query_ids[i, width - len(ids) :] = torch.tensor(ids)
+            query_mask[i, width - len(ids) :] = 1
+        return query_ids, query_mask
+
+    def generation_config(self) -> GenerationConfig:
+        """Every setting that shapes sampling, explicit (None would be filled from the checkpoint)."""
+        return GenerationConfig(
+            do_sample=True,
+            num_beams=1,
+            num_return_sequences=1,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            max_new_tokens=self.max_new_tokens,
+            min_new_tokens=0,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            eos_token_id=self.stop_token_ids,
+            pad_token_id=self.pad_token_id,
+            use_cache=True,
+        )
+
+    def generate(self, prompts: Sequence[Prompt], policy_version: int) -> Rollout:
+        """Sample one response per prompt; ``logp_old`` comes from the generation's own logits."""
+        device = next(self.model.parameters()).device
+        query_ids, query_mask = (t.to(device) for t in self._query_batch(prompts))
+        recorder = _SampledTokenLogprobs(self.temperature)
+        with torch.inference_mode(), eval_mode(self.model), _neutral_generation_config(self.model):
+            sequences = self.model.generate(
+                input_ids=query_ids,
+                attention_mask=query_mask,
+                generation_config=self.generation_config(),
+                logits_processor=LogitsProcessorList([recorder]),
+            )
+        # clone outside inference mode: the PPO update feeds these to autograd, which rejects inference tensors
+        response_ids = sequences[:, query_ids.shape[1] :].clone()
+        logp_old = recorder.finish(response_ids)
+        response_mask, terminated = response_mask_from_ids(response_ids, self.stop_token_ids)
+        return Rollout(
+            query_ids=query_ids,
+            query_mask=query_mask,
+            response_ids=response_ids,
+            response_mask=response_mask,
+            terminated=terminated,
+            logp_old=logp_old,
+            policy_version=policy_version,
+            created_at=time.time(),
+            prompts=list(prompts),
+            response_texts=self._decode(response_ids, response_mask, terminated),
+            temperature=self.temperature,
+            sampling_truncated=self.sampling_truncated,
+        )
+
+    def _decode(
+        self, response_ids: torch.Tensor, response_mask: torch.Tensor, terminated: torch.Tensor
+    ) -> list[str]:
+        """Response texts up to but excluding the stop token, special tokens dropped (what a user sees)."""
+        lengths = response_mask.sum(dim=1).long() - terminated.long()
+        rows = [ids[:n].tolist() for ids, n in zip(response_ids, lengths)]
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)

