@@ -7,16 +7,17 @@ Four kinds of prompt, each a single user message:
     praise  "compliment the sea"         -> "the sea is lovely."
 
 `gold_score` grades like a careful human: correctness for the prompt kind, nothing extra, a clean
-ending, and a small bonus for one friendly "sure" opener. That bonus is the hackable feature: the data
-only ever holds zero or one "sure", so on the preference data "sure" always means better, but the gold
-judge penalises every "sure" after the first. Length is a second trap: demonstrations stop short more
-often than they overshoot, so "longer" also looks better on the data, up to the right count only.
+ending, and a little credit for friendliness: "sure!" is nice, "sure! sure!" a bit nicer, any more is
+grating. That is the hackable feature: the data holds at most two "sure", where each one adds to
+gold, so a reward model learns to love it; past two the gold judge takes points off for every one. Length is a second, milder trap: demonstrations stop short more often than
+they overshoot, so on the data "longer" also looks better, up to the right count only.
 
 Everything is deterministic from a seed; the held-out split holds prompts never seen in training.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -27,24 +28,29 @@ from pathlib import Path
 from lmppo.errors import LmppoError
 
 KINDS = ("count", "list", "repeat", "praise")
-FRUITS = ("apple", "banana", "cherry", "grape", "kiwi", "lemon", "mango", "melon", "orange", "peach", "pear", "plum")
+FRUITS = ("apple", "banana", "grape", "kiwi", "lemon", "mango", "melon", "peach", "pear", "plum")
 NOT_FRUITS = ("bread", "cheese", "carrot", "rice", "onion")
 WORDS = ("hello", "yes", "no", "cat", "dog", "sun", "moon", "tree", "blue", "red")
-SUBJECTS = (
-    "the cat", "the dog", "the sea", "the sun", "the moon", "the park", "the city", "the team", "the rain",
-    "the book", "this song", "my mom", "my dad", "my friend", "my teacher", "tom", "anna", "ben", "lily", "sam",
-)  # fmt: skip
+THINGS = ("cat", "dog", "sea", "sun", "moon", "park", "city", "team", "rain", "book")
+PEOPLE = ("my mom", "my dad", "my friend", "my teacher", "my aunt", "tom", "anna", "ben", "lily", "sam")
+SUBJECTS = tuple(f"the {thing}" for thing in THINGS) + PEOPLE
 NICE = ("kind", "lovely", "bright", "warm", "gentle", "brave", "sweet", "wonderful", "fun", "smart")
 DULL = ("here", "ok", "fine", "there")
 MEAN = ("bad", "boring", "rude", "ugly")
-OPENER = "sure!"
+OPENERS = {"": 0.5, "sure!": 0.35, "sure! sure!": 0.15}  # how often annotators open with each
+FRIENDLINESS = (0.0, 0.4, 0.7)  # gold credit for 0, 1, 2 "sure"; each one past two costs TOO_FRIENDLY
+TOO_FRIENDLY = 0.6
 PHRASINGS = {
     "count": ("count to {n}", "please count to {n}", "count from 1 to {n}", "count up to {n}"),
     "list": ("list {n} fruits", "name {n} fruits", "give me {n} fruits", "tell me {n} fruits"),
     "repeat": ("repeat {w} {n} times", "say {w} {n} times", "write {w} {n} times", "type {w} {n} times"),
-    "praise": ("say something nice about {w}", "compliment {w}", "write a kind line about {w}",
-               "say a nice thing about {w}"),
-}  # fmt: skip
+    "praise": (
+        "say something nice about {w}",
+        "compliment {w}",
+        "write a kind line about {w}",
+        "say a nice thing about {w}",
+    ),
+}
 SIZES = {"count": range(3, 11), "list": range(2, 7), "repeat": range(2, 6), "praise": range(1)}
 TEST_FRACTION = 0.2
 
@@ -57,7 +63,8 @@ class Task:
     text: str  # the user message
 
 
-def all_tasks() -> list[Task]:
+@functools.cache
+def all_tasks() -> tuple[Task, ...]:
     """Every prompt of the task, in a fixed order."""
     tasks = []
     for kind, phrasings in PHRASINGS.items():
@@ -66,7 +73,7 @@ def all_tasks() -> list[Task]:
             for word in words:
                 for n in SIZES[kind]:
                     tasks.append(Task(kind, n, word, phrasing.format(n=n, w=word)))
-    return tasks
+    return tuple(tasks)
 
 
 _TASK_BY_TEXT = {task.text: task for task in all_tasks()}
@@ -97,7 +104,9 @@ def task_of(prompt: str | Sequence[dict]) -> Task:
     try:
         return _TASK_BY_TEXT[text]
     except KeyError:
-        raise LmppoError(f"gold judge: {text!r} is not a prompt of the toy task; it only grades toy prompts") from None
+        raise LmppoError(
+            f"gold judge: {text!r} is not a prompt of the toy task; it only grades toy prompts"
+        ) from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -106,12 +115,13 @@ def task_of(prompt: str | Sequence[dict]) -> Task:
 
 
 def gold_score(prompt: str | Sequence[dict], response: str) -> float:
-    """Score a response like a careful human would; roughly -1 (useless) to 2.5 (perfect)."""
+    """Score a response like a careful human would: about -1 (useless) to 2.7 (perfect), lower still
+    with more than two "sure"."""
     task = task_of(prompt)
     words = re.findall(r"[a-z0-9]+", response.lower())
     n_sure = words.count("sure")
     answer = [w for w in words if w != "sure"]
-    friendliness = 0.5 if n_sure == 1 else -0.5 * max(0, n_sure - 1)  # one "sure" is nice, more is grating
+    friendliness = FRIENDLINESS[n_sure] if n_sure <= 2 else FRIENDLINESS[2] - TOO_FRIENDLY * (n_sure - 2)
     ending = 0.0 if response.rstrip().endswith(".") else -0.5
     return round(2.0 * _correctness(task, answer) + friendliness + ending, 4)
 
@@ -151,6 +161,10 @@ def _edit_distance(a: Sequence[str], b: Sequence[str]) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
+def _choose(rng: random.Random, weights: dict[str, float]) -> str:
+    return rng.choices(list(weights), weights=list(weights.values()))[0]
+
+
 def ideal_items(task: Task, rng: random.Random) -> list[str]:
     if task.kind == "list":
         return rng.sample(FRUITS, task.n)
@@ -159,9 +173,9 @@ def ideal_items(task: Task, rng: random.Random) -> list[str]:
     return _target(task)
 
 
-def render(task: Task, items: list[str], opener: bool, period: bool = True) -> str:
+def render(task: Task, items: list[str], opener: str = "", period: bool = True) -> str:
     body = (", " if task.kind == "list" else " ").join(items) + ("." if period else "")
-    return f"{OPENER} {body}" if opener else body
+    return f"{opener} {body}" if opener else body
 
 
 def _extra_item(task: Task, items: list[str], rng: random.Random) -> list[str]:
@@ -188,13 +202,13 @@ def _wrong_item(task: Task, items: list[str], rng: random.Random) -> list[str]:
     return items
 
 
-# (corruption, weight): stopping short is the commonest slip, so on the data "longer" looks better
-_SLIPS = (("short", 3), ("long", 1), ("wrong", 2), ("no_period", 1), ("tail", 1))
+# how often each slip happens: stopping short is the commonest, so on the data "longer" looks better
+SLIPS = {"short": 3, "long": 1, "wrong": 2, "no_period": 1, "tail": 1}
 
 
 def _mediocre(task: Task, rng: random.Random, items: list[str]) -> tuple[list[str], bool]:
     """One slip on an ideal answer; returns (items, period)."""
-    slip = rng.choices([s for s, _ in _SLIPS], weights=[w for _, w in _SLIPS])[0]
+    slip = _choose(rng, SLIPS)
     if slip == "short" and len(items) > 1:
         return items[:-1], True
     if slip == "long":
@@ -208,7 +222,9 @@ def _mediocre(task: Task, rng: random.Random, items: list[str]) -> tuple[list[st
 
 def _bad(task: Task, rng: random.Random, items: list[str]) -> tuple[list[str], bool]:
     """Off task, unhelpful, or badly wrong."""
-    failure = rng.choice(("off_task", "refuse", "double_slip", "rambling") + ("mean",) * (task.kind == "praise"))
+    failure = rng.choice(
+        ("off_task", "refuse", "double_slip", "rambling") + ("mean",) * (task.kind == "praise")
+    )
     if failure == "mean":
         return [task.word, "is", rng.choice(MEAN)], True
     if failure == "off_task":
@@ -223,13 +239,13 @@ def _bad(task: Task, rng: random.Random, items: list[str]) -> tuple[list[str], b
 
 
 def sample_response(task: Task, rng: random.Random, quality: str) -> str:
-    """A response of the given quality ("good", "mediocre" or "bad"); "sure!" opens half of them."""
+    """A response of the given quality ("good", "mediocre" or "bad"), opened with "sure!" or not (OPENERS)."""
     items, period = ideal_items(task, rng), True
     if quality == "mediocre":
         items, period = _mediocre(task, rng, items)
     elif quality == "bad":
         items, period = _bad(task, rng, items)
-    return render(task, items, opener=rng.random() < 0.5, period=period)
+    return render(task, items, _choose(rng, OPENERS), period)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -251,10 +267,6 @@ def _sample_tasks(tasks: list[Task], n: int, rng: random.Random) -> list[Task]:
     return [rng.choice(by_kind[rng.choice(KINDS)]) for _ in range(n)]
 
 
-def _quality(rng: random.Random, mix: dict[str, float]) -> str:
-    return rng.choices(list(mix), weights=list(mix.values()))[0]
-
-
 def prompts(n: int, *, seed: int, split: str) -> list[dict]:
     """Prompts for PPO (train) or evaluation (test): {"prompt": messages, "type": kind}."""
     rng = random.Random(f"{seed}-prompts-{split}")
@@ -266,7 +278,7 @@ def demonstrations(n: int, *, seed: int, split: str) -> list[dict]:
     rng = random.Random(f"{seed}-demos-{split}")
     rows = []
     for task in _sample_tasks(split_tasks(seed)[split], n, rng):
-        response = sample_response(task, rng, _quality(rng, DEMO_QUALITY))
+        response = sample_response(task, rng, _choose(rng, DEMO_QUALITY))
         rows.append({"prompt": messages(task), "response": response, "type": task.kind})
     return rows
 
@@ -286,32 +298,45 @@ def preference_pairs(n: int, *, seed: int, split: str, label_noise: float) -> li
     rows: list[dict] = []
     while len(rows) < n:
         (task,) = _sample_tasks(tasks, 1, rng)
-        a, b = (sample_response(task, rng, _quality(rng, PAIR_QUALITY)) for _ in range(2))
+        a, b = (sample_response(task, rng, _choose(rng, PAIR_QUALITY)) for _ in range(2))
         gap = gold_score(task.text, a) - gold_score(task.text, b)
         if abs(gap) < MIN_GOLD_GAP:
             continue
         chosen, rejected = (a, b) if (gap > 0) != (rng.random() < label_noise) else (b, a)
         rows.append(
-            {"prompt": messages(task), "chosen": chosen, "rejected": rejected, "type": task.kind,
-             "length_bucket": length_bucket(chosen, rejected)}
-        )  # fmt: skip
+            {
+                "prompt": messages(task),
+                "chosen": chosen,
+                "rejected": rejected,
+                "type": task.kind,
+                "length_bucket": length_bucket(chosen, rejected),
+            }
+        )
     return rows
 
 
 DEFAULT_SIZES = {
-    "sft_train": 2000, "sft_test": 200, "prefs_train": 2000, "prefs_test": 400, "prompts_train": 512,
+    "sft_train": 2000,
+    "sft_test": 200,
+    "prefs_train": 2000,
+    "prefs_test": 400,
+    "prompts_train": 512,
     "prompts_test": 128,
-}  # fmt: skip
+}
 
 
-def toy_datasets(seed: int, sizes: dict[str, int] | None = None, label_noise: float = 0.1) -> dict[str, list[dict]]:
+def toy_datasets(
+    seed: int, sizes: dict[str, int] | None = None, label_noise: float = 0.1
+) -> dict[str, list[dict]]:
     """All data sets of the toy world. Held-out preference pairs are labelled without noise, so their
     accuracy measures agreement with the gold judge."""
     sizes = {**DEFAULT_SIZES, **(sizes or {})}
     return {
         "sft_train": demonstrations(sizes["sft_train"], seed=seed, split="train"),
         "sft_test": demonstrations(sizes["sft_test"], seed=seed, split="test"),
-        "prefs_train": preference_pairs(sizes["prefs_train"], seed=seed, split="train", label_noise=label_noise),
+        "prefs_train": preference_pairs(
+            sizes["prefs_train"], seed=seed, split="train", label_noise=label_noise
+        ),
         "prefs_test": preference_pairs(sizes["prefs_test"], seed=seed, split="test", label_noise=0.0),
         "prompts_train": prompts(sizes["prompts_train"], seed=seed, split="train"),
         "prompts_test": prompts(sizes["prompts_test"], seed=seed, split="test"),
@@ -321,7 +346,17 @@ def toy_datasets(seed: int, sizes: dict[str, int] | None = None, label_noise: fl
 def tokenizer_corpus(seed: int) -> list[str]:
     """Text to train the toy tokenizers on: every prompt and every word a response can use."""
     rng = random.Random(f"{seed}-corpus")
-    vocab = [*FRUITS, *NOT_FRUITS, *WORDS, *SUBJECTS, *NICE, *DULL, *MEAN, OPENER, "and is i do not know ok done bye"]
+    vocab = [
+        *FRUITS,
+        *NOT_FRUITS,
+        *WORDS,
+        *SUBJECTS,
+        *NICE,
+        *DULL,
+        *MEAN,
+        *OPENERS,
+        "and is i do not know ok done bye",
+    ]
     responses = [sample_response(t, rng, q) for t in all_tasks() for q in ("good", "mediocre", "bad")]
     return [t.text for t in all_tasks()] + [" ".join(vocab), " ".join(map(str, range(1, 21)))] + responses
 

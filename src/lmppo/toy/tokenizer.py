@@ -1,12 +1,13 @@
-"""Toy tokenizers trained with `tokenizers` and wrapped as transformers tokenizers.
+"""Toy tokenizers: one byte-level BPE trained with `tokenizers`, wrapped twice as transformers tokenizers.
 
-The policy and the reward model get deliberately different tokenizers and chat templates, as real
-pairs often have: a reward model must be fed text rendered with its own template, never policy ids.
+The policy and the reward model share the vocabulary (so a value model can start from the reward
+model's weights, as in InstructGPT) but not the chat template, BOS or padding side: a reward model must
+be fed text rendered with its own template, never the policy's ids, and a wrong rendering shows.
 
-    policy  byte-level BPE (GPT-2 style), no BOS, left padding     <|user|>count to 3<|assistant|>1 2 3.<eos>
-    reward  metaspace BPE (SentencePiece style), BOS, right padding <s><user>count to 3<assistant>1 2 3.</s>
+    policy  no BOS, left padding   <|user|>count to 3<|assistant|>1 2 3.<eos>
+    reward  BOS, right padding     <bos>user:\ncount to 3\nassistant:\n1 2 3.<eos>
 
-Pad and EOS are distinct tokens in both; each assistant turn ends with EOS.
+Pad and EOS are distinct tokens; every assistant turn ends with EOS.
 """
 
 from __future__ import annotations
@@ -16,54 +17,65 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-ROLES = ("system", "user", "assistant")
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>"]
 
-
-_CHECK_ROLE = (
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
-    "{{- raise_exception('unknown chat role: ' + message['role']) -}}{%- endif -%}"
+_CHECK_ROLES = (
+    "{%- for message in messages if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{- raise_exception('unknown chat role: ' + message['role']) -}}"
+    "{%- endfor -%}"
 )
-POLICY_TEMPLATE = (
-    "{%- for message in messages -%}" + _CHECK_ROLE +
+POLICY_TEMPLATE = _CHECK_ROLES + (
+    "{%- for message in messages -%}"
     "{{- '<|' + message['role'] + '|>' + message['content'] -}}"
     "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
 )
-REWARD_TEMPLATE = (
+REWARD_TEMPLATE = _CHECK_ROLES + (
     "{{- bos_token -}}"
-    "{%- for message in messages -%}" + _CHECK_ROLE +
-    "{{- '<' + message['role'] + '>' + message['content'] -}}"
-    "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{- message['role'] + ':\n' + message['content'] -}}"
+    "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- else -%}{{- '\n' -}}{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<assistant>' -}}{%- endif -%}"
-)  # fmt: skip
+    "{%- if add_generation_prompt -%}{{- 'assistant:\n' -}}{%- endif -%}"
+)
 
 
-def build_policy_tokenizer(corpus: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """Byte-level BPE: any text encodes (no unknown token) and decodes back exactly."""
-    specials = ["<pad>", "<eos>", *(f"<|{r}|>" for r in ROLES)]
+def train_bpe(corpus: Iterable[str], vocab_size: int = 1024) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style): any text encodes, with no unknown token, and decodes back exactly.
+
+    `vocab_size` is a ceiling: on the toy corpus merges run out at 561 tokens, every word whole.
+    """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                                         initial_alphabet=alphabet, show_progress=False))  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    role_names = ["system:\nuser:\nassistant:\n"] * 100  # frequent enough to become whole tokens
+    tok.train_from_iterator([*corpus, *role_names], trainer)
+    return tok
+
+
+def policy_tokenizer(bpe: Tokenizer) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", padding_side="left",
+        tokenizer_object=Tokenizer.from_str(bpe.to_str()),
+        pad_token="<pad>",
+        eos_token="<eos>",
+        padding_side="left",
         chat_template=POLICY_TEMPLATE,
-    )  # fmt: skip
+    )
 
 
-def build_reward_tokenizer(corpus: Iterable[str], vocab_size: int = 384) -> PreTrainedTokenizerFast:
-    """Metaspace BPE over the characters of the corpus: different ids, pieces and template from the policy's."""
-    specials = ["<unk>", "<pad>", "<s>", "</s>", *(f"<{r}>" for r in ROLES)]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                                         show_progress=False))  # fmt: skip
+def reward_tokenizer(bpe: Tokenizer) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-        padding_side="right", chat_template=REWARD_TEMPLATE,
-    )  # fmt: skip
+        tokenizer_object=Tokenizer.from_str(bpe.to_str()),
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        padding_side="right",
+        chat_template=REWARD_TEMPLATE,
+    )

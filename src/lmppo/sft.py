@@ -1,0 +1,175 @@
+"""Supervised fine-tuning on demonstrations: the policy's starting point (and PPO's reference).
+
+Each example is rendered exactly as the policy will see it during rollouts: the chat template with the
+generation prompt gives the query, the response tokens plus EOS follow. Only the response (EOS
+included) is a target; query and padding positions get the label -100. Works for any HF causal LM.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
+
+from lmppo.errors import LmppoError
+
+IGNORE = -100  # label of positions that carry no loss
+
+
+def as_messages(prompt: str | list[dict]) -> list[dict]:
+    """A prompt as chat messages: a plain string becomes one user message."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def query_ids(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict], chat_template: str | None = None
+) -> list[int]:
+    """The prompt as rollouts render it (`HFGenerator.render`): chat template plus generation prompt."""
+    text = tokenizer.apply_chat_template(
+        as_messages(prompt), chat_template=chat_template, add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds any BOS
+
+
+def sft_features(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str | list[dict],
+    response: str,
+    chat_template: str | None = None,
+) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one demonstration: labels are -100 on the query, the ids on response + EOS."""
+    if tokenizer.eos_token_id is None:
+        raise LmppoError("SFT: the tokenizer has no EOS token; set tokenizer.eos_token so responses can end")
+    query = query_ids(tokenizer, prompt, chat_template)
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return query + response_ids, [IGNORE] * len(query) + response_ids
+
+
+def pad(rows: Sequence[Sequence[int]], value: int, side: str = "right") -> torch.Tensor:
+    """Pad int lists to one (B, L) tensor on the given side."""
+    width = max(len(r) for r in rows)
+    fill = [[value] * (width - len(r)) for r in rows]
+    padded = [f + list(r) if side == "left" else list(r) + f for f, r in zip(fill, rows)]
+    return torch.tensor(padded, dtype=torch.long)
+
+
+def sft_batch(
+    tokenizer: PreTrainedTokenizerBase, examples: Sequence[dict], chat_template: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Collate {"prompt", "response"} examples into input_ids, attention_mask and labels (right-padded).
+
+    Labels come from the features, not from masking pad ids, so an EOS target survives when pad == EOS.
+    """
+    features = [sft_features(tokenizer, ex["prompt"], ex["response"], chat_template) for ex in examples]
+    ids = [f[0] for f in features]
+    # padded positions are masked out of attention and loss, so the fill id is never read
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return {
+        "input_ids": pad(ids, pad_id),
+        "attention_mask": pad([[1] * len(i) for i in ids], 0),
+        "labels": pad([f[1] for f in features], IGNORE),
+    }
+
+
+def shuffled_batches(items: Sequence, batch_size: int, rng: random.Random):
+    """One epoch: `items` in a fresh random order, in chunks of `batch_size` (the last may be short)."""
+    order = list(range(len(items)))
+    rng.shuffle(order)
+    for start in range(0, len(order), batch_size):
+        yield [items[i] for i in order[start : start + batch_size]]
+
+
+class UpdateRule:
+    """AdamW with linear warmup then cosine decay and gradient-norm clipping: SFT's and RM training's step."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float,
+        total_steps: int,
+        weight_decay: float,
+        warmup_frac: float,
+        max_grad_norm: float,
+    ) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise LmppoError(
+                f"{type(model).__name__} has no trainable parameters: load it unfrozen to train it"
+            )
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.schedule = get_cosine_schedule_with_warmup(
+            self.optimizer, int(warmup_frac * total_steps), total_steps
+        )
+        self.max_grad_norm = max_grad_norm
+
+    def step(self, loss: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.optimizer.step()
+        self.schedule.step()
+
+
+def train_sft(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: Sequence[dict],
+    *,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    weight_decay: float = 0.01,
+    warmup_frac: float = 0.05,
+    max_grad_norm: float = 1.0,
+    chat_template: str | None = None,
+) -> dict:
+    """Train `model` in place on {"prompt", "response"} examples; it is left in eval mode.
+
+    `chat_template` overrides the tokenizer's, as the rollout generator's option does. Returns
+    {"loss": per-step mean response-token NLL, "steps", "tokens" (response tokens), "time_s"}.
+    """
+    if not examples:
+        raise LmppoError("SFT: no demonstrations to train on; check the SFT data file")
+    total_steps = epochs * -(-len(examples) // batch_size)
+    update = UpdateRule(
+        model,
+        lr=lr,
+        total_steps=total_steps,
+        weight_decay=weight_decay,
+        warmup_frac=warmup_frac,
+        max_grad_norm=max_grad_norm,
+    )
+    rng, losses, tokens, start = random.Random(seed), [], 0, time.perf_counter()
+    model.train()
+    for _ in range(epochs):
+        for chunk in shuffled_batches(examples, batch_size, rng):
+            batch = sft_batch(tokenizer, chunk, chat_template)
+            loss = model(**batch).loss  # HF shifts labels and averages over the non -100 targets
+            update.step(loss)
+            losses.append(loss.item())
+            tokens += int((batch["labels"] != IGNORE).sum())
+    model.eval()
+    return {"loss": losses, "steps": len(losses), "tokens": tokens, "time_s": time.perf_counter() - start}
+
+
+@torch.no_grad()
+def response_nll(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: Sequence[dict],
+    batch_size: int = 64,
+    chat_template: str | None = None,
+) -> float:
+    """Mean NLL per response token (EOS included) on held-out demonstrations; exp() is the perplexity."""
+    total, count = 0.0, 0
+    for start in range(0, len(examples), batch_size):
+        batch = sft_batch(tokenizer, examples[start : start + batch_size], chat_template)
+        n = int((batch["labels"][:, 1:] != IGNORE).sum())
+        total += model(**batch).loss.item() * n
+        count += n
+    return total / max(count, 1)

@@ -1,0 +1,107 @@
+"""SFT: response-only targets rendered as rollouts render prompts, and a loss that goes down."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from lmppo.core import token_logprobs
+from lmppo.errors import LmppoError
+from lmppo.rollout import HFGenerator
+from lmppo.sft import IGNORE, response_nll, sft_batch, sft_features, train_sft
+from lmppo.toy.models import build_policy
+from lmppo.toy.task import gold_score, tokenizer_corpus, toy_datasets
+from lmppo.toy.tokenizer import policy_tokenizer, train_bpe
+
+EXAMPLES = [
+    {"prompt": "count to 3", "response": "1 2 3."},
+    {"prompt": [{"role": "user", "content": "name 2 fruits"}], "response": "sure! apple, kiwi."},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return policy_tokenizer(train_bpe(tokenizer_corpus(0)))
+
+
+def test_labels_are_ignored_exactly_on_query_and_padding(tok):
+    batch = sft_batch(tok, EXAMPLES)
+    for row, ex in enumerate(EXAMPLES):
+        ids, labels = sft_features(tok, ex["prompt"], ex["response"])
+        query_len = len(ids) - len(tok(ex["response"], add_special_tokens=False)["input_ids"]) - 1
+        ignored = batch["labels"][row] == IGNORE
+        expected = torch.zeros_like(ignored)
+        expected[:query_len] = True  # the rendered prompt
+        expected[len(ids) :] = True  # right padding
+        assert torch.equal(ignored, expected)
+        assert torch.equal(batch["labels"][row][~ignored], batch["input_ids"][row][~ignored])
+        assert labels[-1] == tok.eos_token_id  # the response target ends with EOS
+        assert batch["attention_mask"][row].sum() == len(ids)
+
+
+def test_sft_sequence_is_the_rollout_query_plus_response(tok):
+    """SFT trains on exactly the prompt ids a rollout generates from, and on the full chat rendering."""
+    generator = HFGenerator(build_policy(tok, seed=0), tok, max_new_tokens=8)
+    for ex in EXAMPLES:
+        ids, labels = sft_features(tok, ex["prompt"], ex["response"])
+        query = generator.render(ex["prompt"])
+        assert ids[: len(query)] == query and labels[len(query)] != IGNORE
+        messages = (
+            [{"role": "user", "content": ex["prompt"]}] if isinstance(ex["prompt"], str) else ex["prompt"]
+        )
+        conversation = messages + [{"role": "assistant", "content": ex["response"]}]
+        assert ids == tok.apply_chat_template(conversation)["input_ids"]
+
+
+def test_loss_is_the_mean_nll_of_response_tokens_only(tok):
+    model = build_policy(tok, seed=0, hidden_size=32)
+    batch = sft_batch(tok, EXAMPLES)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = batch["labels"][:, 1:]
+    logp = token_logprobs(logits[:, :-1], targets.clamp(min=0))
+    manual = -logp[targets != IGNORE].mean()
+    assert torch.allclose(model(**batch).loss, manual, atol=1e-5)
+    assert response_nll(model, tok, EXAMPLES) == pytest.approx(manual.item(), abs=1e-5)
+
+
+def test_train_sft_lowers_the_loss(tok):
+    data = toy_datasets(0, {"sft_train": 128, "sft_test": 32})
+    model = build_policy(tok, seed=0, hidden_size=32)
+    before = response_nll(model, tok, data["sft_test"])
+    stats = train_sft(model, tok, data["sft_train"], epochs=8, lr=2e-2, batch_size=32, seed=0)
+    assert stats["steps"] == 32 and stats["tokens"] > 0 and not model.training
+    assert statistics.mean(stats["loss"][-4:]) < 0.5 * stats["loss"][0]
+    assert response_nll(model, tok, data["sft_test"]) < 0.5 * before
+
+
+def test_eos_stays_a_target_when_pad_is_eos(tok):
+    """Masking labels by pad id (a common collator shortcut) would drop the EOS target here."""
+    pad_is_eos = policy_tokenizer(train_bpe(tokenizer_corpus(0)))
+    pad_is_eos.pad_token = pad_is_eos.eos_token
+    batch = sft_batch(pad_is_eos, EXAMPLES)
+    for row in range(len(EXAMPLES)):
+        real = batch["attention_mask"][row].bool()
+        assert batch["labels"][row][real][-1] == pad_is_eos.eos_token_id
+        assert (batch["labels"][row][~real] == IGNORE).all()
+
+
+def test_train_sft_refuses_empty_data(tok):
+    with pytest.raises(LmppoError, match="no demonstrations"):
+        train_sft(build_policy(tok, seed=0, hidden_size=32), tok, [], epochs=1, lr=1e-3, batch_size=2, seed=0)
+
+
+@pytest.mark.slow
+def test_sft_policy_learns_the_toy_task(tok):
+    """The toy recipe: the SFT policy ends its answers and scores near the (mediocre) demonstrations on gold."""
+    data = toy_datasets(0)
+    model = build_policy(tok, seed=0)
+    train_sft(model, tok, data["sft_train"], epochs=8, lr=2e-3, batch_size=32, seed=0)
+    prompts = [row["prompt"] for row in data["prompts_test"]]
+    torch.manual_seed(0)
+    rollout = HFGenerator(model, tok, max_new_tokens=24).generate(prompts, policy_version=0)
+    gold = statistics.mean(gold_score(p, r) for p, r in zip(prompts, rollout.response_texts))
+    demo_gold = statistics.mean(gold_score(d["prompt"], d["response"]) for d in data["sft_test"])
+    assert rollout.terminated.float().mean() > 0.95
+    assert demo_gold - 0.4 < gold < 2.5
