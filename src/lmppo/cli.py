@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from lmppo import __version__
 from lmppo.errors import LmppoError
@@ -39,7 +40,7 @@ def main() -> None:
     try:
         app()
     except LmppoError as err:
-        console.print(f"[bold red]error:[/] {err}")
+        console.print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True, highlight=False)
         sys.exit(2)
 
 
@@ -71,15 +72,73 @@ def ppo(
     console.print(f"run directory: {run_dir}")
 
 
+def _supervised_config(config: Path, overrides: list[str] | None):
+    from lmppo.config import SupervisedConfig, load_config
+
+    return load_config(config, list(overrides or []), schema=SupervisedConfig)
+
+
 @app.command()
-def quickstart() -> None:
-    """Run the embedded default (until the full toy pipeline lands: the seeds' worked example)."""
-    import torch
+def sft(
+    config: Path = typer.Argument(..., help="YAML: model, data (JSONL of prompt/response), epochs, lr, output_dir."),
+    overrides: list[str] | None = typer.Argument(None, help="key=value overrides, e.g. lr=1e-5"),
+) -> None:
+    """Supervised fine-tuning on demonstrations (response-only loss): the policy's starting point."""
+    from lmppo.sft import run_sft
 
-    from lmppo import core
+    cfg = _supervised_config(config, overrides)
+    stats = run_sft(cfg)
+    console.print(f"SFT: {stats['steps']} steps, final loss {stats['loss'][-1]:.4f}; saved to {cfg.output_dir}")
 
-    logp_old = torch.tensor([[-1.0, -0.5, -2.0, -0.1]])
-    logp_ref = torch.tensor([[-1.2, -0.5, -1.0, -0.1]])
-    rewards = core.shaped_rewards(torch.tensor([1.5]), logp_old, logp_ref, torch.ones(1, 4), beta=0.1)
-    print("shaped rewards of the seeds' worked example (beta=0.1):", [round(r, 4) for r in rewards[0].tolist()])
-    print("The full pipeline (toy SFT -> reward model -> PPO -> evaluation -> report) is coming to this command.")
+
+@app.command("train-rm")
+def train_rm(
+    config: Path = typer.Argument(..., help="YAML: model, data (JSONL of prompt/chosen/rejected), epochs, lr, ..."),
+    overrides: list[str] | None = typer.Argument(None, help="key=value overrides, e.g. epochs=2"),
+) -> None:
+    """Train a Bradley-Terry reward model on preference pairs; reports held-out accuracy per slice."""
+    from lmppo.reward_modeling import run_train_rm
+
+    cfg = _supervised_config(config, overrides)
+    stats = run_train_rm(cfg)
+    accuracy = f", held-out accuracy {stats['eval']['accuracy']:.3f}" if "eval" in stats else ""
+    console.print(f"reward model saved to {cfg.output_dir}{accuracy}")
+
+
+@app.command("eval")
+def evaluate(
+    run_dir: Path = typer.Argument(..., help="A finished PPO run directory (holds config.yaml and final/)."),
+    prompts: Path | None = typer.Option(None, "--prompts", help="Held-out prompts (default: data.eval_prompts)."),
+) -> None:
+    """Evaluate a run's final policy against its starting policy on held-out prompts (RM score, KL, win rate)."""
+    from lmppo.evaluate import evaluate_run, summary_table
+
+    console.print(summary_table(evaluate_run(run_dir, prompts)))
+
+
+@app.command()
+def quickstart(
+    overrides: list[str] | None = typer.Argument(None, help="PPO config overrides, e.g. kl.beta=0 run.steps=80"),
+    out: Path = typer.Option(Path("runs/quickstart"), "--out", help="Directory for every stage's output."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the toy world, data and training."),
+    beta: float | None = typer.Option(None, "--beta", help="KL coefficient; --beta 0 shows reward hacking."),
+    fast: bool = typer.Option(False, "--fast", help="The CI-sized run: less data, fewer PPO steps."),
+) -> None:
+    """The whole RLHF pipeline on the embedded toy world: SFT, reward model, PPO, evaluation, report."""
+    from lmppo.quickstart import run_quickstart
+
+    overrides = list(overrides or [])
+    if beta is not None:  # beta 0 is the reward-hacking ablation: let the KL run past the budget guard
+        overrides += [f"kl.beta={beta}"] + (["guards.kl_max=null"] if beta == 0 else [])
+    run_quickstart(out, seed=seed, fast=fast, overrides=overrides)
+
+
+@app.command()
+def report(
+    run_dir: Path = typer.Argument(..., help="A run directory (holds metrics.jsonl)."),
+    compare: list[Path] | None = typer.Option(None, "--compare", help="Other runs to overlay on the curves."),
+) -> None:
+    """Write the HTML report (plots, evaluation, samples) of a run into RUN_DIR/report/."""
+    from lmppo.report import report as write_report
+
+    console.print(f"report: {write_report(run_dir, compare=compare or [])}")

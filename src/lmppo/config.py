@@ -100,6 +100,12 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     stop_token_ids: list[int] = Field([], description="extra stop ids besides the tokenizer's EOS")
     max_rollout_age: int = Field(0, ge=0, description="policy versions a rollout may lag before it is regenerated")
+    truncation: Literal["terminal", "bootstrap"] = Field(
+        "terminal",
+        description="rows cut at max_new_tokens: 'terminal' = scored by the reward at their last token, no "
+        "bootstrap (the length limit is part of the task); 'bootstrap' = unfinished, no score, GAE "
+        "bootstraps from V(state after the last token)",
+    )
     forward_batch_size: int | None = Field(None, gt=0, description="micro-batch of the stored passes")
 
 
@@ -201,12 +207,40 @@ class Config(Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+class TrainingStage(Section):
+    """Optimisation settings of a supervised stage (SFT or reward-model training): AdamW, cosine schedule."""
+
+    epochs: int = Field(1, gt=0)
+    lr: float = Field(1e-5, gt=0)
+    batch_size: int = Field(16, gt=0)
+
+
+class SupervisedConfig(TrainingStage):
+    """``lmppo sft`` (demonstrations) and ``lmppo train-rm`` (preference pairs): one model, one JSONL file."""
+
+    model: ModelSource
+    data: str = Field(description="JSONL: {prompt, response} rows for sft, {prompt, chosen, rejected} for train-rm")
+    eval_data: str | None = None
+    seed: int = 0
+    output_dir: str
+
+
+class QuickstartConfig(Section):
+    """``lmppo quickstart``: the two supervised stages and the PPO run on the toy world."""
+
+    sft: TrainingStage
+    reward_model: TrainingStage
+    ppo_run: Config
+
+
 # --------------------------------------------------------------------------------------------------
 # Loading, overrides and readable errors
 # --------------------------------------------------------------------------------------------------
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None, schema: type[Section] = Config
+) -> Section:
     """Read a YAML file (or start from ``base``), apply ``section.key=value`` overrides, validate."""
     raw: dict[str, Any] = copy.deepcopy(base or {})
     if path is not None:
@@ -221,7 +255,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
             raise LmppoError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
     for override in overrides:
         apply_override(raw, override)
-    return validate_config(raw, source=str(path) if path else "config")
+    return validate_config(raw, source=str(path) if path else "config", schema=schema)
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:
@@ -238,19 +272,19 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     node[leaf] = yaml.safe_load(value)
 
 
-def validate_config(raw: dict[str, Any], source: str = "config") -> Config:
+def validate_config(raw: dict[str, Any], source: str = "config", schema: type[Section] = Config) -> Section:
     try:
-        return Config.model_validate(raw)
+        return schema.model_validate(raw)
     except ValidationError as err:
-        problems = "\n".join(f"  - {_describe(e)}" for e in err.errors())
+        problems = "\n".join(f"  - {_describe(e, schema)}" for e in err.errors())
         raise LmppoError(f"{source} is not a valid lmppo config:\n{problems}") from None
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: dict[str, Any], schema: type[Section]) -> str:
     loc = [str(p) for p in error["loc"]]
     where = ".".join(loc) or "(top level)"
     if error["type"] == "extra_forbidden":
-        valid = _valid_keys(loc[:-1])
+        valid = _valid_keys(loc[:-1], schema)
         near = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
         hint = f"did you mean {'.'.join(loc[:-1] + near)!r}?" if near else f"valid keys here: {', '.join(valid)}"
         return f"unknown key {where!r}: {hint}"
@@ -261,9 +295,9 @@ def _describe(error: dict[str, Any]) -> str:
     return f"{where}: {error['msg']} (got {error.get('input')!r})"
 
 
-def _valid_keys(loc: list[str]) -> list[str]:
+def _valid_keys(loc: list[str], schema: type[Section]) -> list[str]:
     """Field names of the section at ``loc`` (following nested sections and optional sections)."""
-    model: type[BaseModel] = Config
+    model: type[BaseModel] = schema
     for part in loc:
         field = model.model_fields.get(part)
         if field is None:

@@ -226,3 +226,38 @@ def summary_table(summary: dict) -> Table:
     for name, values in summary["policies"].items():
         table.add_row(name, *(f"{values[m]:.4g}" if m in values else "-" for m, _ in columns))
     return table
+
+
+def evaluate_run(run_dir, prompts_path=None) -> dict:
+    """``lmppo eval RUN_DIR``: the run's final policy vs its starting policy on held-out prompts.
+
+    Uses the run's own config (decoding, reward); writes ``RUN_DIR/eval.json`` for the report.
+    """
+    from pathlib import Path
+
+    from lmppo.config import load_config
+    from lmppo.data import load_prompts
+    from lmppo.models import load_causal_lm, load_tokenizer
+    from lmppo.report import write_eval_json
+    from lmppo.scoring import reward_from_config
+
+    run_dir = Path(run_dir)
+    cfg = load_config(run_dir / "config.yaml")
+    prompts_path = prompts_path or cfg.data.eval_prompts
+    if prompts_path is None:
+        raise LmppoError("no held-out prompts: pass --prompts FILE or set data.eval_prompts in the run's config")
+    if not (run_dir / "final").is_dir():
+        raise LmppoError(f"{run_dir / 'final'} does not exist: the run has not finished (continue it with --resume)")
+    m, r = cfg.models.policy, cfg.rollout
+    start = load_causal_lm(m.path, gguf_file=m.gguf_file, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+    results = {
+        name: evaluate_policy(
+            policy, load_tokenizer(m.path, m.gguf_file), load_prompts(prompts_path), reward_fn=reward_from_config(cfg.reward),
+            reference=start, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+            stop_token_ids=r.stop_token_ids, chat_template=m.chat_template, raw_prompts=cfg.data.raw_prompts,
+            batch_size=cfg.run.eval_batch_size, seed=cfg.run.seed,
+        )
+        for name, policy in (("start", start), ("PPO", load_causal_lm(run_dir / "final")))
+    }
+    write_eval_json(run_dir, results, baseline="start")
+    return compare_policies(results, baseline="start")

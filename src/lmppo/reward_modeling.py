@@ -9,6 +9,7 @@ pooling takes the last token that is not the pad id, which reads one token early
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Sequence
@@ -16,11 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from lmppo.data import prompt_of_row, read_jsonl
 from lmppo.errors import LmppoError
-from lmppo.models import ValueModel
+from lmppo.models import ValueModel, load_tokenizer
 from lmppo.scoring import RewardModelScorer
 from lmppo.sft import UpdateRule, pad, shuffled_batches
 
@@ -170,3 +171,25 @@ def load_preference_jsonl(path: str | Path) -> list[dict]:
                 raise LmppoError(f"{where}: {key!r} must be the response text, got {type(row[key]).__name__}")
         row["prompt"] = prompt_of_row(row, where)
     return rows
+
+
+def run_train_rm(cfg) -> dict:
+    """``lmppo train-rm CONFIG``: Bradley-Terry training of ``cfg.model`` (a new score head on a causal LM,
+    or an existing reward model) on ``cfg.data`` pairs; saves it to ``cfg.output_dir`` with held-out metrics."""
+    m = cfg.model
+    pairs = load_preference_jsonl(cfg.data)
+    held_out = load_preference_jsonl(cfg.eval_data) if cfg.eval_data else None
+    tokenizer = load_tokenizer(m.path, m.gguf_file, trust_remote_code=m.trust_remote_code)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        m.path, num_labels=1, local_files_only=True, trust_remote_code=m.trust_remote_code,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    stats = train_reward_model(model, tokenizer, pairs, epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size,
+                               seed=cfg.seed, chat_template=m.chat_template)
+    out = Path(cfg.output_dir)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    if held_out:
+        stats["eval"] = evaluate_reward_model(model, tokenizer, held_out, chat_template=m.chat_template)
+        (out / "rm_eval.json").write_text(json.dumps(stats["eval"], indent=2))
+    return stats

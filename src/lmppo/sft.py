@@ -14,7 +14,9 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
+from lmppo.data import load_demonstrations
 from lmppo.errors import LmppoError
+from lmppo.models import load_causal_lm, load_tokenizer
 
 IGNORE = -100  # label of positions that carry no loss
 
@@ -173,3 +175,19 @@ def response_nll(
         total += model(**batch).loss.item() * n
         count += n
     return total / max(count, 1)
+
+
+def run_sft(cfg) -> dict:
+    """``lmppo sft CONFIG``: fine-tune ``cfg.model`` on ``cfg.data`` and save it (with its tokenizer) to ``cfg.output_dir``."""
+    m = cfg.model
+    tokenizer = load_tokenizer(m.path, m.gguf_file, trust_remote_code=m.trust_remote_code)
+    model = load_causal_lm(m.path, gguf_file=m.gguf_file, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+    examples = [{"prompt": p, "response": r} for p, r in load_demonstrations(cfg.data)]
+    stats = train_sft(model, tokenizer, examples, epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size,
+                      seed=cfg.seed, chat_template=m.chat_template)
+    if cfg.eval_data:
+        held_out = [{"prompt": p, "response": r} for p, r in load_demonstrations(cfg.eval_data)]
+        stats["eval_nll"] = response_nll(model, tokenizer, held_out)
+    model.save_pretrained(cfg.output_dir)
+    tokenizer.save_pretrained(cfg.output_dir)
+    return stats

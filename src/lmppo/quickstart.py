@@ -1,0 +1,128 @@
+"""``lmppo quickstart``: the classic RLHF pipeline on the embedded toy world, end to end on a CPU.
+
+toy world (tokenizers + tiny Llamas + data, from a seed) -> SFT on noisy demonstrations -> Bradley-Terry
+reward model (started from the SFT transformer, InstructGPT-style) on gold-judge-labelled pairs -> PPO
+(policy from SFT, reference = SFT, critic from the RM) -> held-out evaluation of SFT and PPO with the RM
+and the hidden gold judge -> HTML report. ``--beta 0`` shows reward hacking: RM score up, gold flat or down.
+Settings live in ``lmppo/toy/quickstart.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import resources
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+
+from lmppo.config import QuickstartConfig, apply_override, validate_config
+from lmppo.data import read_jsonl
+from lmppo.errors import LmppoError
+from lmppo.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table
+from lmppo.models import load_causal_lm, load_reward_model, load_tokenizer
+from lmppo.report import report, write_eval_json, write_rm_eval_json
+from lmppo.reward_modeling import evaluate_reward_model, train_reward_model
+from lmppo.scoring import RewardModelScorer
+from lmppo.sft import train_sft
+from lmppo.toy.models import build_toy_world, reward_model_from_policy
+from lmppo.toy.task import gold_score, task_of
+from lmppo.trainer import PPOModels, train
+
+console = Console()
+STAGE_SECTIONS = ("sft", "reward_model")  # override prefixes that address a stage, not the PPO run
+
+# The CI-sized run: less data, fewer epochs and PPO steps (same models and task).
+FAST_DATA = {"sft_train": 1200, "sft_test": 100, "prefs_train": 1200, "prefs_test": 200, "prompts_test": 64}
+FAST_OVERRIDES = ("sft.epochs=6", "reward_model.epochs=5", "run.steps=20", "run.eval_every=0")
+
+
+def quickstart_config(out_dir: Path, world, overrides: list[str]) -> QuickstartConfig:
+    """The packaged settings with this run's paths, then the user's overrides (PPO keys need no prefix)."""
+    raw = yaml.safe_load(resources.files("lmppo.toy").joinpath("quickstart.yaml").read_text())
+    paths = [
+        f"models.policy.path={out_dir / 'sft'}",
+        f"reward.model.path={out_dir / 'rm'}",
+        f"data.prompts={world.data['prompts_train']}",
+        f"run.output_dir={out_dir / 'ppo'}",
+    ]
+    for override in [*paths, *overrides]:
+        stage = override.split(".", 1)[0] in STAGE_SECTIONS
+        apply_override(raw, override if stage else f"ppo_run.{override}")
+    return validate_config(raw, source="quickstart settings", schema=QuickstartConfig)
+
+
+def run_quickstart(out_dir: str | Path = "runs/quickstart", *, seed: int = 0, fast: bool = False,
+                   overrides: list[str] = ()) -> dict:
+    """Run every stage; returns the evaluation summary (also printed and written to the run)."""
+    out_dir, started = Path(out_dir), time.perf_counter()
+    if (out_dir / "ppo").exists():
+        raise LmppoError(f"{out_dir} already holds a quickstart run; remove it or pass --out NEW_DIR")
+
+    with console.status("[1/6] building the toy world: tokenizers, tiny Llamas, data"):
+        world = build_toy_world(out_dir / "world", seed=seed, sizes=FAST_DATA if fast else None)
+        cfg = quickstart_config(out_dir, world, [*(FAST_OVERRIDES if fast else ()), *overrides])
+        cfg.ppo_run.run.seed = seed
+    console.print(f"[1/6] toy world in {out_dir / 'world'}")
+
+    with console.status("[2/6] SFT on noisy demonstrations"):
+        tokenizer = load_tokenizer(world.policy_dir)
+        policy = load_causal_lm(world.policy_dir)
+        sft = train_sft(policy, tokenizer, read_jsonl(world.data["sft_train"]), epochs=cfg.sft.epochs,
+                        lr=cfg.sft.lr, batch_size=cfg.sft.batch_size, seed=seed)
+        policy.save_pretrained(out_dir / "sft")
+        tokenizer.save_pretrained(out_dir / "sft")
+    console.print(f"[2/6] SFT: {sft['steps']} steps, final loss {sft['loss'][-1]:.3f}, {sft['time_s']:.0f} s")
+
+    with console.status("[3/6] reward model: Bradley-Terry on preference pairs, from the SFT transformer"):
+        rm_tokenizer = load_tokenizer(world.reward_tokenizer_dir)
+        rm = reward_model_from_policy(policy, rm_tokenizer, seed=seed)
+        rm_stats = train_reward_model(rm, rm_tokenizer, read_jsonl(world.data["prefs_train"]),
+                                      epochs=cfg.reward_model.epochs, lr=cfg.reward_model.lr,
+                                      batch_size=cfg.reward_model.batch_size, seed=seed)
+        rm_eval = evaluate_reward_model(rm, rm_tokenizer, read_jsonl(world.data["prefs_test"]))
+        rm.save_pretrained(out_dir / "rm")
+        rm_tokenizer.save_pretrained(out_dir / "rm")
+    console.print(f"[3/6] reward model: held-out accuracy {rm_eval['accuracy']:.3f} ({rm_stats['time_s']:.0f} s)")
+
+    ppo_cfg = cfg.ppo_run
+    eval_prompts = [row["prompt"] for row in read_jsonl(world.data["prompts_test"])]
+    demos = read_jsonl(world.data["sft_test"])
+
+    def evaluate(policy_model, reference, reward_fn) -> EvalResult:
+        return evaluate_policy(
+            policy_model, tokenizer, eval_prompts, reward_fn=reward_fn, reference=reference, gold_fn=gold_score,
+            demonstrations=demos, slice_fn=lambda prompt: task_of(prompt).kind,
+            max_new_tokens=ppo_cfg.rollout.max_new_tokens, temperature=ppo_cfg.rollout.temperature,
+            batch_size=ppo_cfg.run.eval_batch_size, seed=seed,
+        )
+
+    def periodic_eval(models: PPOModels):
+        return lambda: evaluate(models.policy, models.reference, models.reward).metrics
+
+    console.print(f"[4/6] PPO: {ppo_cfg.run.steps} steps of {ppo_cfg.rollout.batch_size} prompts, "
+                  f"beta {ppo_cfg.kl.beta}")
+    run_dir = train(ppo_cfg, evaluator_factory=periodic_eval)
+    write_rm_eval_json(run_dir, rm_eval)
+
+    with console.status("[5/6] held-out evaluation of SFT and PPO"):
+        sft_policy = load_causal_lm(out_dir / "sft")
+        ppo_policy = load_causal_lm(run_dir / "final")
+        scorer = RewardModelScorer(load_reward_model(out_dir / "rm"), rm_tokenizer,
+                                   batch_size=ppo_cfg.reward.batch_size)
+        results = {
+            "SFT": evaluate(sft_policy, sft_policy, scorer),  # the reference is the SFT policy itself
+            "PPO": evaluate(ppo_policy, sft_policy, scorer),
+        }
+        write_eval_json(run_dir, results, baseline="SFT")
+    summary = compare_policies(results, baseline="SFT")
+    console.print("[5/6] held-out evaluation")
+    console.print(summary_table(summary))
+
+    html = report(run_dir)
+    minutes = (time.perf_counter() - started) / 60
+    (run_dir / "quickstart.json").write_text(json.dumps(
+        {"minutes": minutes, "seed": seed, "rm_accuracy": rm_eval["accuracy"], "summary": summary}, indent=2))
+    console.print(f"[6/6] report: {html}\nquickstart took {minutes:.1f} min")
+    return summary

@@ -1,0 +1,37 @@
+"""The embedded default, CI-sized: SFT -> RM -> PPO -> evaluation -> report on the toy world."""
+
+import json
+import re
+
+import pytest
+import yaml
+from test_trainer import run_cli
+
+from lmppo.quickstart import run_quickstart
+
+
+@pytest.mark.slow
+def test_fast_quickstart_improves_gold_score_with_an_accurate_reward_model(tmp_path):
+    summary = run_quickstart(tmp_path / "qs", fast=True)
+    sft, ppo = summary["policies"]["SFT"], summary["policies"]["PPO"]
+    assert ppo["eval/gold_score"] > sft["eval/gold_score"] + 0.05, summary
+    assert ppo["eval/win_rate"] > 0.55 and ppo["eval/rm_score"] > sft["eval/rm_score"]
+    assert ppo["eval/kl_ref"] < 10.0  # inside the configured budget
+    run_dir = tmp_path / "qs" / "ppo"
+    result = json.loads((run_dir / "quickstart.json").read_text())
+    assert result["rm_accuracy"] >= 0.75
+    html = (run_dir / "report" / "index.html").read_text()
+    pngs = sorted(p.name for p in (run_dir / "report").glob("*.png"))
+    embedded = re.findall(r"<img alt='([^']+)' src='data:image/png;base64,", html)
+    assert pngs and sorted(embedded) == pngs  # every plot is in the self-contained page
+    assert (run_dir / "final" / "generation_config.json").is_file()
+
+
+def test_train_rm_rejects_a_row_without_chosen(tmp_path, capsys):
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "hi", "rejected": "no"}) + "\n")
+    config = {"model": {"path": str(tmp_path / "model")}, "data": str(tmp_path / "pairs.jsonl"),
+              "output_dir": str(tmp_path / "rm")}
+    (tmp_path / "rm.yaml").write_text(yaml.safe_dump(config))
+    assert run_cli("train-rm", str(tmp_path / "rm.yaml")) == 2
+    err = capsys.readouterr().err
+    assert "pairs.jsonl, row 1" in err and "'chosen'" in err and "Traceback" not in err
