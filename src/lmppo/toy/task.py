@@ -367,3 +367,8 @@ def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:
     with path.open("w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     return path
+
+
+def gold_reward(prompts: Sequence, responses: Sequence[str]) -> list[float]:
+    """The gold judge as a programmatic reward, ``reward.function: lmppo.toy.task:gold_reward``."""
+    return [gold_score(prompt, response) for prompt, response in zip(prompts, responses)]
