@@ -17,6 +17,22 @@ from lmppo.errors import LmppoError
 Prompt = Union[str, list[dict[str, str]]]
 
 
+def as_messages(prompt: Prompt) -> list[dict[str, str]]:
+    """A prompt as chat messages: a plain string becomes one user turn."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def render_query_ids(tokenizer, prompt: Prompt, chat_template: str | None = None) -> list[int]:
+    """Token ids of a prompt as the policy sees it: its chat template with ``add_generation_prompt=True``.
+
+    Rollouts and SFT both render with this, so the policy is trained and sampled on the same tokens.
+    """
+    text = tokenizer.apply_chat_template(
+        as_messages(prompt), chat_template=chat_template, add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds any BOS
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """All rows of a JSONL file (blank lines skipped); a bad line is an error naming its number."""
     path = Path(path)

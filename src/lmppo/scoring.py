@@ -20,9 +20,9 @@ import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmppo.core import masked_mean, masked_var
+from lmppo.data import Prompt, as_messages
 from lmppo.errors import LmppoError
 from lmppo.models import ValueModel, eval_mode
-from lmppo.rollout import Prompt
 
 
 class RewardFunction(Protocol):
@@ -43,8 +43,7 @@ def render_for_reward_model(
 
     Reward-model training must render pairs with this same function, so scoring sees what training saw.
     """
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    messages.append({"role": "assistant", "content": response})
+    messages = [*as_messages(prompt), {"role": "assistant", "content": response}]
     return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False)
 
 

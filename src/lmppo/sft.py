@@ -14,26 +14,11 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
-from lmppo.data import load_demonstrations
+from lmppo.data import load_demonstrations, render_query_ids
 from lmppo.errors import LmppoError
 from lmppo.models import load_causal_lm, load_tokenizer
 
 IGNORE = -100  # label of positions that carry no loss
-
-
-def as_messages(prompt: str | list[dict]) -> list[dict]:
-    """A prompt as chat messages: a plain string becomes one user message."""
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-
-
-def query_ids(
-    tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict], chat_template: str | None = None
-) -> list[int]:
-    """The prompt as rollouts render it (`HFGenerator.render`): chat template plus generation prompt."""
-    text = tokenizer.apply_chat_template(
-        as_messages(prompt), chat_template=chat_template, add_generation_prompt=True, tokenize=False
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds any BOS
 
 
 def sft_features(
@@ -45,7 +30,7 @@ def sft_features(
     """(input_ids, labels) of one demonstration: labels are -100 on the query, the ids on response + EOS."""
     if tokenizer.eos_token_id is None:
         raise LmppoError("SFT: the tokenizer has no EOS token; set tokenizer.eos_token so responses can end")
-    query = query_ids(tokenizer, prompt, chat_template)
+    query = render_query_ids(tokenizer, prompt, chat_template)
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return query + response_ids, [IGNORE] * len(query) + response_ids
 
