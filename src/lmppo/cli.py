@@ -128,8 +128,9 @@ def quickstart(
     from lmppo.quickstart import run_quickstart
 
     overrides = list(overrides or [])
-    if beta is not None:  # beta 0 is the reward-hacking ablation: let the KL run past the budget guard
-        overrides += [f"kl.beta={beta}"] + (["guards.kl_max=null"] if beta == 0 else [])
+    if beta is not None:  # beta 0 is the reward-hacking ablation: turn off the guards that would stop it
+        overrides += [f"kl.beta={beta}"]
+        overrides += ["guards.kl_max=null", "guards.reward_without_eval_patience=null"] if beta == 0 else []
     run_quickstart(out, seed=seed, fast=fast, overrides=overrides)
 
 
