@@ -262,7 +262,12 @@ class PPOTrainer:
         logp_ref = reference_logprobs(self.reference, rollout, micro_batch_size=forward_batch)
         values, bootstrap_value = value_predictions(self.value_model, rollout, micro_batch_size=forward_batch)
 
-        # bootstrap_value is already 0 for rows that ended with EOS (terminal) and V(s_after) otherwise.
+        # A truncated row either ends the episode (scored, nothing after it) or is unfinished (its future,
+        # score included, is V(s_after)): never both, or truncation would be paid twice.
+        if cfg.rollout.truncation == "terminal":
+            bootstrap_value = torch.zeros_like(bootstrap_value)
+        else:
+            rm_score = torch.where(rollout.terminated, rm_score, 0.0)
         beta = self.kl_controller.value
         rewards = core.shaped_rewards(rm_score, rollout.logp_old, logp_ref, mask, beta, cfg.kl.estimator)
         advantages, returns = core.gae(rewards, values, mask, cfg.ppo.gamma, cfg.ppo.lam, bootstrap_value)
@@ -282,7 +287,7 @@ class PPOTrainer:
             "response/eos_frac": rollout.terminated.float(),
             "response/truncated_frac": (~rollout.terminated).float(),
         }
-        if transform_stats:
+        if transform_stats or cfg.rollout.truncation == "bootstrap":
             per_row["reward/rm_score_used"] = rm_score
         every_row = torch.ones(1, len(rollout), device=mask.device)
         stats = {key: core.masked_mean(value[None], every_row, group).item() for key, value in per_row.items()}
