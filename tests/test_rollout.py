@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -276,6 +278,31 @@ def test_top_k_warns_and_stores_untruncated_tempered_logprobs(policy_tokenizer, 
     )  # tokens scored above the sample
     assert (rank[keep] < 3).all()  # sampling was truncated to the top 3
     assert (rollout.logp_old[keep] < 0).all()  # but the stored log-probs are not renormalised over them
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 1.0), (0, 0.8)])
+def test_draws_follow_the_tempered_truncated_distribution(policy_tokenizer, policy_model, top_k, top_p):
+    """The sampler: frequencies match softmax(logits / T) over the kept tokens, never a dropped one."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the off-policy warning for top-k / top-p
+        generator = HFGenerator(policy_model, policy_tokenizer, max_new_tokens=1, temperature=0.5, top_k=top_k,
+                                top_p=top_p)
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, 0.2, -3.0])
+    draws = 40_000
+    torch.manual_seed(0)
+    tokens, logp = generator._draw(row.repeat(draws, 1))
+    expected = torch.softmax(row / 0.5, dim=0)
+    keep = torch.ones_like(row, dtype=torch.bool)
+    if top_k:
+        keep = row >= row.topk(top_k).values[-1]
+    if top_p < 1.0:  # the most likely tokens until their mass reaches top_p
+        probs, order = expected.sort(descending=True)
+        keep = torch.zeros_like(keep).scatter(0, order, probs.cumsum(0) - probs < top_p)
+    expected = torch.where(keep, expected, 0.0) / expected[keep].sum()
+    frequencies = torch.bincount(tokens, minlength=len(row)).double() / draws
+    torch.testing.assert_close(frequencies, expected.double(), atol=0.01, rtol=0)
+    assert (frequencies[~keep] == 0).all()
+    torch.testing.assert_close(logp, torch.log_softmax(row / 0.5, dim=0)[tokens])  # untruncated, tempered
 
 
 def test_no_warning_without_truncation(policy_tokenizer, policy_model, recwarn):

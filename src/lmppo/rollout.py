@@ -12,7 +12,6 @@ comes from the tokenizer (never from ``ids != pad``, which hides a real EOS when
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 import warnings
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, StaticCache, TopKLogitsWarper, TopPLogitsWarper
 
 from lmppo.core import last_response_index, token_logprobs
 from lmppo.errors import LmppoError
@@ -255,61 +254,21 @@ class Generator(Protocol):
     def generate(self, prompts: Sequence[Prompt], policy_version: int) -> Rollout: ...
 
 
-class _SampledTokenLogprobs(LogitsProcessor):
-    """Records ``log softmax(logits / T)`` of each sampled token during ``generate``.
-
-    transformers applies custom processors after its own (all off here) and before temperature, top-k
-    and top-p, so this sees the model's raw logits. The token sampled from step t's scores is only visible
-    (as the last input id) at step t + 1, so one step's log-softmax (B, V) is kept pending; the last
-    step's is resolved in :meth:`finish`. Memory: O(B * V), not O(B * R * V) as with ``output_logits``.
-    """
-
-    def __init__(self, temperature: float) -> None:
-        self.temperature = temperature
-        self.steps: list[torch.Tensor] = []
-        self.pending: torch.Tensor | None = None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.pending is not None:
-            self.steps.append(self.pending.gather(1, input_ids[:, -1:]).squeeze(1))
-        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def finish(self, response_ids: torch.Tensor) -> torch.Tensor:
-        """(B, R) float32 log-probs of ``response_ids``."""
-        self.steps.append(self.pending.gather(1, response_ids[:, -1:]).squeeze(1))
-        if len(self.steps) != response_ids.shape[1]:
-            raise RuntimeError(
-                f"recorded {len(self.steps)} steps for {response_ids.shape[1]} generated tokens"
-            )
-        return torch.stack(self.steps, dim=1)
-
-
-@contextlib.contextmanager
-def _neutral_generation_config(model) -> Iterator[None]:
-    """Hide the checkpoint's ``generation_config`` during ``generate``.
-
-    transformers fills every field our config leaves ``None`` (min_p, typical_p, suppress_tokens,
-    sequence_bias, ...) from the model's ``generation_config.json``; a neutral one leaves only the
-    library defaults, and we set every sampling field whose default is not neutral.
-    """
-    target = unwrap_model(model)
-    saved = target.generation_config
-    target.generation_config = GenerationConfig()
-    try:
-        yield
-    finally:
-        target.generation_config = saved
-
-
 class HFGenerator:
-    """Samples responses with transformers ``generate`` (KV cache, left-padded batch).
+    """Samples responses from a transformers causal LM, one decode step per token on a static KV cache.
 
     Prompts are rendered with the tokenizer's own chat template (or ``chat_template``) and
     ``add_generation_prompt=True``; ``raw_prompts=True`` tokenises prompt strings as they are. Only
-    temperature, top-k and top-p shape the sampling distribution: repetition penalty, n-gram blocking,
-    min length, min-p, typical-p, suppressed tokens and every other processor are off, whatever the
-    checkpoint's ``generation_config`` says. Generation stops at the tokenizer's EOS and ``stop_token_ids``.
+    temperature, top-k and top-p shape the sampling distribution (the checkpoint's ``generation_config``
+    is never read: no repetition penalty, min length, suppressed tokens, ...). Generation stops at the
+    tokenizer's EOS and ``stop_token_ids``, or after ``max_new_tokens``.
+
+    The loop is ours rather than ``model.generate``: the cache is a ``StaticCache`` sized for the prompt
+    plus ``max_new_tokens`` (a ``DynamicCache`` concatenates every layer's keys and values at every
+    step, a cost quadratic in the response length), there is no per-step machinery beyond the forward
+    and the draw, and ``logp_old`` comes from the logits the token is drawn from. The draw is
+    transformers' own (tempered scores, top-k, top-p, ``torch.multinomial``), so a seed gives the same
+    tokens as ``model.generate`` would.
 
     A rendered prompt longer than ``max_prompt_length`` (default: the context window minus
     ``max_new_tokens``) is an error naming the row, unless ``truncate_prompts`` keeps its last tokens.
@@ -418,39 +377,14 @@ class HFGenerator:
             query_mask[i, width - len(ids) :] = 1
         return query_ids, query_mask
 
-    def generation_config(self) -> GenerationConfig:
-        """Every setting that shapes sampling, explicit (None would be filled from the checkpoint)."""
-        return GenerationConfig(
-            do_sample=True,
-            num_beams=1,
-            num_return_sequences=1,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            max_new_tokens=self.max_new_tokens,
-            min_new_tokens=0,
-            repetition_penalty=1.0,
-            no_repeat_ngram_size=0,
-            eos_token_id=self.stop_token_ids,
-            pad_token_id=self.pad_token_id,
-            use_cache=True,
-        )
-
     def generate(self, prompts: Sequence[Prompt], policy_version: int) -> Rollout:
-        """Sample one response per prompt; ``logp_old`` comes from the generation's own logits."""
+        """Sample one response per prompt; ``logp_old`` is recorded while sampling."""
         device = next(self.model.parameters()).device
         query_ids, query_mask = (t.to(device) for t in self._query_batch(prompts))
-        recorder = _SampledTokenLogprobs(self.temperature)
-        with torch.inference_mode(), eval_mode(self.model), _neutral_generation_config(self.model):
-            sequences = self.model.generate(
-                input_ids=query_ids,
-                attention_mask=query_mask,
-                generation_config=self.generation_config(),
-                logits_processor=LogitsProcessorList([recorder]),
-            )
+        with torch.inference_mode(), eval_mode(self.model):
+            response_ids, logp_old = self._sample(query_ids, query_mask)
         # clone outside inference mode: the PPO update feeds these to autograd, which rejects inference tensors
-        response_ids = sequences[:, query_ids.shape[1] :].clone()
-        logp_old = recorder.finish(response_ids)
+        response_ids, logp_old = response_ids.clone(), logp_old.clone()
         response_mask, terminated = response_mask_from_ids(response_ids, self.stop_token_ids)
         return Rollout(
             query_ids=query_ids,
@@ -466,6 +400,55 @@ class HFGenerator:
             temperature=self.temperature,
             sampling_truncated=self.sampling_truncated,
         )
+
+    def _sample(self, query_ids: torch.Tensor, query_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ancestral sampling: a prefill over the queries, then one single-token forward per step.
+
+        Returns ``response_ids`` (B, R') and their log-probs (B, R') at the sampling temperature, with
+        R' <= max_new_tokens (the loop ends once every row has emitted a stop token; a finished row is
+        filled with the pad id). Positions count real tokens only, as in :func:`sequence_inputs`.
+        """
+        batch, width = query_ids.shape
+        device = query_ids.device
+        cache = StaticCache(config=unwrap_model(self.model).config, max_cache_len=width + self.max_new_tokens)
+        attention_mask = torch.zeros(batch, width + self.max_new_tokens, dtype=torch.long, device=device)
+        attention_mask[:, :width] = query_mask
+        positions = (query_mask.cumsum(dim=1) - 1).clamp(min=0)
+        logits = self.model(
+            input_ids=query_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
+            cache_position=torch.arange(width, device=device), logits_to_keep=1, use_cache=True,
+        ).logits[:, -1]
+        stops = torch.tensor(self.stop_token_ids, device=device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        position = positions[:, -1:]
+        tokens, logps = [], []
+        for step in range(self.max_new_tokens):
+            token, logp = self._draw(logits)
+            token = token.masked_fill(finished, self.pad_token_id)
+            tokens.append(token)
+            logps.append(logp)
+            finished |= torch.isin(token, stops)
+            if step + 1 == self.max_new_tokens or finished.all():
+                break
+            cursor = width + step
+            attention_mask[:, cursor] = 1
+            position = position + 1
+            logits = self.model(
+                input_ids=token[:, None], attention_mask=attention_mask, position_ids=position,
+                cache=cache, cache_position=torch.tensor([cursor], device=device), use_cache=True,
+            ).logits[:, -1]
+        return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)
+
+    def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row from ``softmax(logits / T)`` (top-k / top-p applied) and its untruncated log-prob."""
+        scores = logits.float() / self.temperature
+        logp = torch.log_softmax(scores, dim=-1)
+        if self.top_k:
+            scores = TopKLogitsWarper(self.top_k)(None, scores)
+        if self.top_p < 1.0:
+            scores = TopPLogitsWarper(self.top_p)(None, scores)
+        token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        return token, logp.gather(1, token[:, None]).squeeze(1)
 
     def _decode(
         self, response_ids: torch.Tensor, response_mask: torch.Tensor, terminated: torch.Tensor
