@@ -9,7 +9,7 @@ PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.lmppo-installed
 PYTEST_ARGS ?=
 
-.PHONY: install quickstart test bench clean
+.PHONY: install quickstart test bench bench-distributed clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,16 @@ quickstart: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: $(STAMP)
+# The benchmark's extra: TRL 1.12.0 (the last release with PPO), run side by side with lmppo.
+$(VENV)/.lmppo-bench: $(STAMP)
+	$(PY) -m pip install -e ".[bench]"
+	touch $@
+
+bench: $(VENV)/.lmppo-bench
 	$(PY) benchmarks/bench_ppo.py
+
+bench-distributed: $(STAMP)
+	$(PY) benchmarks/bench_distributed.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info

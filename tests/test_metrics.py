@@ -38,7 +38,7 @@ def test_every_metric_is_described_here_and_in_the_docs():
         assert description.strip(), name
         assert f"`{name}`" in docs, f"docs/metrics.md does not document {name}"
     assert set(REDUCE_OPS) <= set(METRIC_NAMES)
-    assert set(REDUCE_OPS.values()) <= {"mean", "sum", "max"}
+    assert set(REDUCE_OPS.values()) <= {"mean", "sum", "max", "min"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -58,8 +58,8 @@ def _reduce_on_rank(rank, store, out_dir):
         metrics = {
             "kl/ref": 1.0 + rank,  # mean -> 1.5
             "policy/ratio_max": [1.5, 3.0][rank],  # max -> 3.0
-            "perf/rollout_tokens_per_s": 100.0 * (rank + 1),  # sum -> 300
-            "health/nonfinite": float(rank),  # sum -> 1
+            "perf/rollout_tokens_per_s": 100.0 * (rank + 1),  # min (the slowest rank) -> 100
+            "health/nonfinite": float(rank),  # max -> 1
             "adv/std": [0.5, math.nan][rank],  # a NaN anywhere stays visible
         }
         result = {
@@ -79,7 +79,7 @@ def test_reduce_over_two_gloo_ranks_uses_each_metrics_op(tmp_path):
         default = result["default"]
         assert default["kl/ref"] == 1.5
         assert default["policy/ratio_max"] == 3.0
-        assert default["perf/rollout_tokens_per_s"] == 300.0
+        assert default["perf/rollout_tokens_per_s"] == 100.0
         assert default["health/nonfinite"] == 1.0
         assert math.isnan(default["adv/std"])
         assert result["sum"] == {"custom/count": 5.0}

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
+from lmppo.distributed import collective_device
 from lmppo.errors import LmppoError
 
 METRIC_NAMES: dict[str, str] = {
@@ -67,6 +68,7 @@ METRIC_NAMES: dict[str, str] = {
     "perf/rollout_tokens_per_s": "generated response tokens per second, all ranks",
     "perf/train_tokens_per_s": "response tokens processed per second of PPO update, all ranks",
     "perf/peak_rss_mb": "peak resident memory of the process in MiB",
+    "perf/allreduce_mb": "gradient bytes all-reduced by DDP this step, MiB per rank (only with several ranks)",
     "eval/rm_score": "mean reward-model score on the held-out prompts",
     "eval/gold_score": "mean gold-judge score on the held-out prompts, where a judge exists",
     "eval/kl_ref": "mean per-sequence KL (k1) of the policy to the reference on held-out samples",
@@ -79,16 +81,16 @@ METRIC_NAMES: dict[str, str] = {
 # How a per-rank scalar becomes a global one; every other metric is averaged over ranks.
 REDUCE_OPS: dict[str, str] = {
     "policy/ratio_max": "max",
-    "health/nonfinite": "sum",
-    "health/nonfinite_updates": "sum",
+    "health/nonfinite": "max",  # counted over all ranks already: every rank holds the same number
+    "health/nonfinite_updates": "max",
     "lag/policy_versions": "max",
     "lag/rollout_age_s": "max",
     "perf/step_s": "max",  # the slowest rank sets the pace
     "perf/rollout_s": "max",
     "perf/score_s": "max",
     "perf/update_s": "max",
-    "perf/rollout_tokens_per_s": "sum",
-    "perf/train_tokens_per_s": "sum",
+    "perf/rollout_tokens_per_s": "min",  # all ranks' tokens over this rank's seconds: the slowest rank's
+    "perf/train_tokens_per_s": "min",
     "perf/peak_rss_mb": "max",
 }
 
@@ -104,7 +106,7 @@ _JSON_TO_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.
 def reduce_metrics(
     metrics: Mapping[str, float], group: dist.ProcessGroup | None = None, op: str = "mean"
 ) -> dict[str, float]:
-    """Global value of each per-rank scalar: ``REDUCE_OPS[name]`` or ``op`` (``mean``/``sum``/``max``).
+    """Global value of each per-rank scalar: ``REDUCE_OPS[name]`` or ``op`` (mean, sum, max or min).
 
     Every rank must pass the same keys. One ``all_gather`` of the stacked values serves all ops.
     A mean of per-rank means is exact only when ranks weigh the same (equal shards); statistics that
@@ -114,12 +116,11 @@ def reduce_metrics(
     values = {name: float(metrics[name]) for name in names}
     if group is None or not names:
         return values
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    local = torch.tensor([values[n] for n in names], dtype=torch.float64, device=device)
+    local = torch.tensor([values[n] for n in names], dtype=torch.float64, device=collective_device(group))
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     per_rank = torch.stack(gathered).cpu()  # (world, n)
-    reducers = {"mean": lambda c: c.mean(), "sum": lambda c: c.sum(), "max": lambda c: c.max()}
+    reducers = {"mean": lambda c: c.mean(), "sum": lambda c: c.sum(), "max": lambda c: c.max(), "min": lambda c: c.min()}
     return {n: reducers[REDUCE_OPS.get(n, op)](per_rank[:, i]).item() for i, n in enumerate(names)}
 
 

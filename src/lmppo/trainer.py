@@ -15,9 +15,11 @@ import resource
 import signal
 import threading
 import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -41,7 +43,17 @@ from lmppo.checkpoint import (
 )
 from lmppo.config import Config
 from lmppo.data import Prompt, PromptStream, load_demonstrations, load_prompts
-from lmppo.distributed import init_distributed, rank_seed
+from lmppo.distributed import (
+    DistInfo,
+    all_sum,
+    any_rank,
+    barrier,
+    check_world_size,
+    data_parallel,
+    distributed_session,
+    gather_objects,
+    rank_seed,
+)
 from lmppo.errors import LmppoError
 from lmppo.guards import Guards
 from lmppo.metrics import MetricsLogger, ProgressDisplay, reduce_metrics
@@ -81,14 +93,51 @@ class PPOModels:
     identities: dict[str, dict] = field(default_factory=dict)
 
 
+class PolicyAndValue(nn.Module):
+    """The trained networks behind one ``forward``: (B, R, V) tempered response logits and (B, R) values.
+
+    One module so that data parallelism wraps one forward and one set of parameters: DDP then syncs the
+    policy's and the critic's gradients in the same backward, and a shared trunk is synced once.
+    """
+
+    def __init__(self, policy: nn.Module, value_model: ValueModel) -> None:
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+
+    def forward(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.value_model.shared_trunk:
+            return policy_logits_and_values(self.policy, self.value_model, batch)
+        queries, responses = batch.query_ids.shape[1], batch.response_ids.shape[1]
+        values = self.value_model(*batch.sequence_inputs())[:, queries - 1 : queries - 1 + responses]
+        return response_logits(self.policy, batch), values
+
+
 def trim_padding(rollout: Rollout) -> Rollout:
-    """Drop response columns past the longest response of these rows (less work in the update)."""
+    """Drop the columns that are padding in every row: leading query columns (left padding) and response
+    columns past the longest response. Positions count real tokens, so no real token moves."""
+    first = int(rollout.query_mask.any(dim=0).long().argmax())  # first query column holding a real token
     length = int(rollout.response_mask.sum(1).max().clamp(min=1))
-    if length == rollout.response_ids.shape[1]:
+    if first == 0 and length == rollout.response_ids.shape[1]:
         return rollout
-    cut = {name: getattr(rollout, name)[:, :length] for name in ("response_ids", "response_mask", "logp_old")}
+    queries = {name: getattr(rollout, name)[:, first:] for name in ("query_ids", "query_mask")}
+    responses = {name: getattr(rollout, name)[:, :length] for name in ("response_ids", "response_mask", "logp_old")}
     extras = {k: v[:, :length] if v.dim() == 2 else v for k, v in rollout.extras.items()}
-    return dataclasses.replace(rollout, **cut, extras=extras)
+    return dataclasses.replace(rollout, **queries, **responses, extras=extras)
+
+
+def length_sorted_micro_batches(minibatch: Rollout, size: int) -> Iterator[Rollout]:
+    """Micro-batches of ``size`` rows, trimmed; with several, rows of similar length go together.
+
+    Length is real query plus counted response tokens. Gradient accumulation sums token-weighted
+    micro-batch losses, so grouping rows by length changes no result, only how many padded positions
+    the forward passes compute.
+    """
+    order = torch.arange(len(minibatch))
+    if size < len(minibatch):
+        lengths = minibatch.query_mask.sum(1) + minibatch.response_mask.sum(1)
+        order = torch.argsort(lengths.cpu(), descending=True, stable=True)
+    for start in range(0, len(minibatch), size):
+        yield trim_padding(minibatch.select(order[start : start + size]))
 
 
 def seed_everything(seed: int) -> None:
@@ -128,12 +177,21 @@ class PPOTrainer:
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
+        check_world_size(world_size, **{"rollout.batch_size": cfg.rollout.batch_size,
+                                         "ppo.minibatch_size": cfg.ppo.minibatch_size,
+                                         "ppo.micro_batch_size": cfg.ppo.micro_batch_size})
         self.cfg, self.models, self.group = cfg, models, group
         self.policy, self.reference, self.value_model = models.policy, models.reference, models.value
         # Dropout stays off for the whole run (as in TRL): the stored log-probs and values and the
         # update's first forward then agree exactly, so the first ratio is 1. Gradients still flow.
         for model in (self.policy, self.value_model):
             model.eval()
+        # The update's forward. With several ranks it runs under DDP, which syncs gradients during the
+        # backward; generation and the stored passes use the plain modules (no gradients to sync).
+        self.train_module: nn.Module = PolicyAndValue(self.policy, self.value_model)
+        self.allreduce_counter = None
+        if group is not None:
+            self.train_module, self.allreduce_counter = data_parallel(self.train_module, group)
         self.generator = generator or HFGenerator(
             self.policy, models.tokenizer,
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
@@ -144,7 +202,7 @@ class PPOTrainer:
         self.prompt_stream = PromptStream(prompts, cfg.rollout.batch_size, shuffle=cfg.data.shuffle,
                                           seed=cfg.run.seed, rank=rank, world_size=world_size)
         self.ptx_batches, self.evaluator = ptx_batches, evaluator
-        self.world_size = world_size
+        self.rank, self.world_size = rank, world_size
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.ppo.lr_schedule, cfg.ppo.warmup_steps, cfg.run.steps)
@@ -180,7 +238,8 @@ class PPOTrainer:
             {"params": self._trainable(self.policy), "lr": ppo.lr, "name": "policy"},
             {"params": self._value_only_parameters(), "lr": ppo.value_lr or ppo.lr, "name": "value"},
         ]
-        return torch.optim.AdamW(groups, weight_decay=ppo.weight_decay, eps=ppo.adam_eps)
+        # fused: one kernel per step instead of a dozen foreach passes over every parameter (as TRL's default)
+        return torch.optim.AdamW(groups, weight_decay=ppo.weight_decay, eps=ppo.adam_eps, fused=True)
 
     # ----------------------------------------------------------------------------------------------
     # one PPO step
@@ -231,6 +290,8 @@ class PPOTrainer:
             "perf/train_tokens_per_s": n_tokens * update_stats["policy/epochs"] / max(update_s, 1e-9),
             "perf/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
+        if self.allreduce_counter is not None:
+            metrics["perf/allreduce_mb"] = self.allreduce_counter.take() / 2**20
         if self.evaluator is not None and cfg.run.eval_every and self.step_count % cfg.run.eval_every == 0:
             metrics.update(self.evaluator())
         return metrics
@@ -297,8 +358,9 @@ class PPOTrainer:
             "adv/std": adv_std.item(),
             "value/explained_var": core.explained_variance(values, returns, mask, group).item(),
             "lag/rollout_age_s": time.time() - rollout.created_at,
-            "health/nonfinite": float(sum(int((~torch.isfinite(t)).sum()) for t in (
-                rm_score_raw, torch.where(mask.bool(), logp_ref, 0.0), torch.where(mask.bool(), values, 0.0)))),
+            "health/nonfinite": all_sum(sum((~torch.isfinite(t)).sum().double() for t in (  # all ranks
+                rm_score_raw, torch.where(mask.bool(), logp_ref, 0.0), torch.where(mask.bool(), values, 0.0))),
+                group).item(),
         })
         return stats
 
@@ -319,8 +381,8 @@ class PPOTrainer:
                 epoch_kl += stats["policy/approx_kl"]
                 epoch_updates += 1
                 n_updates += 1
-            if ppo.target_approx_kl is not None and self._global_mean(epoch_kl / epoch_updates) > ppo.target_approx_kl:
-                break  # every rank sees the same global value, so all stop together
+            if ppo.target_approx_kl is not None and epoch_kl / epoch_updates > ppo.target_approx_kl:
+                break  # approx KL is a global token mean, the same on every rank: all stop together
         metrics = {key: value / n_updates for key, value in totals.items()}
         ratio_var = metrics.pop("policy/ratio_sq") - metrics["policy/ratio_mean"] ** 2
         metrics["policy/ratio_std"] = math.sqrt(max(ratio_var, 0.0))
@@ -331,37 +393,51 @@ class PPOTrainer:
         return metrics
 
     def minibatch_update(self, minibatch: Rollout) -> dict[str, float]:
-        """One optimiser step on one minibatch, accumulated over micro-batches (token-weighted mean)."""
+        """One optimiser step on one minibatch (this rank's rows), accumulated over micro-batches.
+
+        The loss is the token mean over the *global* minibatch: each micro-batch's token mean is weighted
+        by its share of all ranks' response tokens (times the world size, which DDP's gradient average
+        divides out). Gradients sync once, in the last backward; the reported statistics are global
+        token means too, so every rank logs and decides the same.
+        """
         ppo = self.cfg.ppo
-        minibatch_tokens = minibatch.response_mask.sum().clamp(min=1.0)
+        global_tokens = all_sum(minibatch.response_mask.sum(), self.group).clamp(min=1.0)
         micro_size = ppo.micro_batch_size // self.world_size if ppo.micro_batch_size else len(minibatch)
+        micro_batches = list(length_sorted_micro_batches(minibatch, max(micro_size, 1)))
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {"health/nonfinite_updates": 0.0}
+        sums: dict[str, float] = {}
         ratio_max = 0.0
-        for micro in minibatch.minibatches(max(micro_size, 1)):
+        if self.ptx_batches is not None and ppo.ptx_coef > 0:
+            with self._no_grad_sync():  # accumulated locally; the last micro-batch's backward syncs it
+                ptx_loss = self.ptx_loss()
+                (ppo.ptx_coef * ptx_loss).backward()
+            sums["ptx/loss"] = ptx_loss.item() / self.world_size  # a mean over ranks after the sum below
+        for i, micro in enumerate(micro_batches):
             stats, loss = self.micro_batch_loss(micro)
-            weight = micro.response_mask.sum() / minibatch_tokens  # micro means -> the minibatch's token mean
-            (loss * weight).backward()
+            share = micro.response_mask.sum() / global_tokens  # micro token mean -> global token mean
+            with self._no_grad_sync() if i < len(micro_batches) - 1 else nullcontext():
+                (loss * share * self.world_size).backward()
             ratio_max = max(ratio_max, stats.pop("policy/ratio_max"))
             for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + value * float(weight)
-        if self.ptx_batches is not None and ppo.ptx_coef > 0:
-            ptx_loss = self.ptx_loss()
-            (ppo.ptx_coef * ptx_loss).backward()
-            sums["ptx/loss"] = ptx_loss.item()
+                sums[key] = sums.get(key, 0.0) + value * float(share)
+        names = sorted(sums)
+        totals = all_sum(torch.tensor([sums[n] for n in names], dtype=torch.float64), self.group)
+        sums = dict(zip(names, totals.tolist(), strict=True))
         sums["health/grad_norm"], sums["value/grad_norm"], finite = self._clip_gradients()
         if finite:
             self.optimizer.step()
-        else:  # never apply a NaN/inf update; the nonfinite guard aborts if this persists
-            sums["health/nonfinite_updates"] = 1.0
+        sums["health/nonfinite_updates"] = 0.0 if finite else 1.0  # never apply a NaN/inf update
         sums["policy/ratio_max"] = ratio_max
         return sums
 
+    def _no_grad_sync(self):
+        """Skip DDP's gradient all-reduce for this backward (gradients accumulate locally)."""
+        return self.train_module.no_sync() if self.group is not None else nullcontext()
+
     def micro_batch_loss(self, micro: Rollout) -> tuple[dict[str, float], torch.Tensor]:
         ppo = self.cfg.ppo
-        micro = trim_padding(micro)
         mask, extras = micro.response_mask, micro.extras
-        logits, values = self.policy_and_values(micro)
+        logits, values = self.train_module(micro)
         logp_new = core.token_logprobs(logits, micro.response_ids)
         policy_loss, clip_frac = core.ppo_clip_loss(logp_new, micro.logp_old, extras["advantages"], mask, ppo.clip_eps)
         v_loss, v_clip_frac = core.value_loss(values, extras["values"], extras["returns"], mask, ppo.value_clip_eps)
@@ -386,14 +462,6 @@ class PPOTrainer:
             }
         return stats, loss
 
-    def policy_and_values(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tempered policy logits (B, R, V) and values (B, R), with gradients."""
-        if self.value_model.shared_trunk:
-            return policy_logits_and_values(self.policy, self.value_model, rollout)
-        queries, responses = rollout.query_ids.shape[1], rollout.response_ids.shape[1]
-        values = self.value_model(*rollout.sequence_inputs())[:, queries - 1 : queries - 1 + responses]
-        return response_logits(self.policy, rollout), values
-
     def ptx_loss(self) -> torch.Tensor:
         """InstructGPT's PPO-ptx term: next-token loss on a batch of demonstrations (response tokens)."""
         batch = self.ptx_batches()
@@ -401,21 +469,20 @@ class PPOTrainer:
         return out.loss
 
     def _clip_gradients(self) -> tuple[float, float, bool]:
-        """Clip policy and critic gradients separately; report pre-clip norms and whether both are finite."""
+        """Clip policy and critic gradients separately; report pre-clip norms and whether both are finite.
+
+        ``clip_grad_norm_`` in two halves: the scaling pass runs only when it would change a gradient
+        (its factor is clamped at 1), which saves a read and write of every gradient on most steps.
+        """
         max_norm = self.cfg.ppo.max_grad_norm or float("inf")
         norms = []
         for group in self.optimizer.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
+            if max_norm / (norm + 1e-6) < 1.0:  # clip_grad_norm_'s factor; NaN / inf norms skip the step anyway
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
             norms.append(float(norm))
         return norms[0], norms[1], all(math.isfinite(n) for n in norms)
-
-    def _global_mean(self, value: float) -> float:
-        if self.group is None:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
-        torch.distributed.all_reduce(t, group=self.group)
-        return float(t) / self.world_size
 
     # ----------------------------------------------------------------------------------------------
     # checkpoint state: everything a resumed run needs to continue exactly
@@ -432,9 +499,13 @@ class PPOTrainer:
             for name, (module, skip) in self._trained_modules().items()
         }
         optimizer_tensors, optimizer_skeleton = flatten_state(self.optimizer.state_dict())
-        rng_json, rng_tensors = capture_rng_state()
         tensors["optimizer"] = optimizer_tensors
-        tensors["rng"] = {**rng_tensors, "shuffle": self.shuffle_generator.get_state()}
+        # Every rank's generators (each samples and shuffles its own stream); the rest of the state is
+        # the same on every rank. A collective: every rank calls this, rank 0 writes.
+        rng_json, rng_tensors = capture_rng_state()
+        per_rank = gather_objects((rng_json, {**rng_tensors, "shuffle": self.shuffle_generator.get_state()}),
+                                  self.group)
+        tensors["rng"] = {f"rank{r}/{k}": v for r, (_, t) in enumerate(per_rank) for k, v in t.items()}
         state = {
             "step": self.step_count,
             "policy_version": self.policy_version,
@@ -445,9 +516,28 @@ class PPOTrainer:
             "score_transform": self.score_transform.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "optimizer": optimizer_skeleton,
-            "rng": rng_json,
+            "rng": [j for j, _ in per_rank],  # one entry per rank
         }
         return tensors, state
+
+    def _restore_rank_rng(self, tensors: dict[str, torch.Tensor], per_rank_json: list[dict], step: int) -> None:
+        """This rank's generators from the checkpoint; re-seeded when it was written by another world size."""
+        saved_world = len(per_rank_json)
+        if saved_world != self.world_size:  # check_compatible refused this unless --allow-config-change
+            warnings.warn(
+                f"the checkpoint was written by {saved_world} ranks and this run has {self.world_size}: weights, "
+                "optimizer, schedule, KL controller and data position carry over, but each rank's sampling "
+                "and shuffling generators start afresh, so the run does not continue bit for bit",
+                stacklevel=2,
+            )
+            seed = rank_seed(self.cfg.run.seed + step, self.rank)  # not the streams the run started with
+            seed_everything(seed)
+            self.shuffle_generator.manual_seed(seed + 1)
+            return
+        prefix = f"rank{self.rank}/"
+        rng = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+        self.shuffle_generator.set_state(rng.pop("shuffle"))
+        restore_rng_state(per_rank_json[self.rank], rng)
 
     def load_state_payload(self, tensors: dict[str, dict[str, torch.Tensor]], state: dict) -> None:
         for name, (module, skip) in self._trained_modules().items():
@@ -465,9 +555,7 @@ class PPOTrainer:
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.score_transform.load_state_dict(state["score_transform"])
         self.prompt_stream.load_state_dict(state["prompt_stream"])
-        rng = dict(tensors["rng"])
-        self.shuffle_generator.set_state(rng.pop("shuffle"))
-        restore_rng_state(state["rng"], rng)
+        self._restore_rank_rng(tensors["rng"], state["rng"], int(state["step"]))
         self.step_count, self.policy_version = int(state["step"]), int(state["policy_version"])
         self.episodes, self.tokens = int(state["episodes"]), int(state["tokens"])
 
@@ -584,29 +672,49 @@ def train(
     allow_config_change: bool = False,
     evaluator_factory: Callable[[PPOModels], Callable[[], dict[str, float]]] | None = None,
 ) -> Path:
-    """Run (or resume) PPO as configured; returns the run directory. Raises LmppoError on a guard abort."""
+    """Run (or resume) PPO as configured; returns the run directory. Raises LmppoError on a guard abort.
+
+    Under ``torchrun`` every rank calls this: data parallel over the process group torchrun describes.
+    """
     device = resolve_device(cfg.run.device)
-    dist_info = init_distributed(device.type)
+    with distributed_session(device.type) as dist_info:
+        return _train(cfg, device, dist_info, resume, allow_config_change, evaluator_factory)
+
+
+def _train(
+    cfg: Config,
+    device: torch.device,
+    dist_info: DistInfo,
+    resume: bool,
+    allow_config_change: bool,
+    evaluator_factory: Callable[[PPOModels], Callable[[], dict[str, float]]] | None,
+) -> Path:
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     run_dir = Path(cfg.run.output_dir)
     checkpoint = _checkpoint_to_resume(run_dir, resume)
-    seed_everything(rank_seed(cfg.run.seed, dist_info.rank))
+    barrier(dist_info.group)  # every rank has looked for a checkpoint before rank 0 writes the first one
+    seed_everything(cfg.run.seed)  # every rank builds the same models (fresh heads, LoRA adapters)
 
     models = load_models(cfg, device)
     trainer = PPOTrainer(
         cfg, models, load_prompts(cfg.data.prompts, cfg.data.split),
-        ptx_batches=_ptx_batches(cfg, models.tokenizer, device),
+        ptx_batches=_ptx_batches(cfg, models.tokenizer, device, dist_info.rank),
         evaluator=evaluator_factory(models) if evaluator_factory else None,
         group=dist_info.group, rank=dist_info.rank, world_size=dist_info.world_size,
     )
+    if dist_info.world_size > 1:
+        seed_everything(rank_seed(cfg.run.seed, dist_info.rank))  # then each rank samples its own responses
     guards = Guards(cfg.guards)
     manifest = {"config": cfg.model_dump(mode="json"), "identities": models.identities,
                 "world_size": dist_info.world_size}
 
-    def save(tag: str) -> Path:
+    def save(tag: str) -> Path | None:
+        """Called on every rank (the RNG states are gathered); rank 0 writes. Returns the path on rank 0."""
         tensors, state = trainer.state_payload()
         state["guards"] = guards.state_dict()
+        if not dist_info.is_main:
+            return None
         return save_checkpoint(run_dir / CHECKPOINTS_DIR, trainer.step_count, tensors=tensors, state=state,
                                manifest=manifest, tag=tag, keep_last=cfg.run.keep_last)
 
@@ -616,9 +724,10 @@ def train(
         manifest["resumed_with_differences"] = differences
         trainer.load_state_payload(checkpoint.tensors, checkpoint.state)
         guards.load_state_dict(checkpoint.state["guards"])
-    elif dist_info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    else:
+        if dist_info.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(cfg.to_yaml())
         save("ok")  # step 0: the pre-PPO bundle is the first last-known-good checkpoint
 
     with (
@@ -633,24 +742,25 @@ def train(
             logger.log(trainer.step_count, metrics)
             progress.update(trainer.step_count, metrics)
             violation = guards.check(trainer.step_count, metrics)
-            if violation is not None:
-                aborted = save("aborted") if dist_info.is_main else None
+            if violation is not None:  # metrics are global, so every rank finds the same violation
+                aborted = save("aborted")
                 raise LmppoError(
                     f"guard {violation.rule!r} stopped the run at step {trainer.step_count}: {violation.message}\n"
                     f"The state at the abort is in {aborted}; the last known good checkpoint is "
                     f"{last_good_checkpoint(run_dir)} (the pre-PPO policy is {cfg.models.policy.path})."
                 )
-            if stop.requested:
+            if any_rank(stop.requested is not None, dist_info.group):  # a signal may reach one rank first
+                path = save("interrupted")
                 if dist_info.is_main:
-                    path = save("interrupted")
-                    progress.console.print(f"{stop.requested}: saved {path}; continue with --resume")
+                    progress.console.print(f"{stop.requested or 'a signal'}: saved {path}; continue with --resume")
                 return run_dir
             every = cfg.run.checkpoint_every
-            if dist_info.is_main and every and trainer.step_count % every == 0 and trainer.step_count < cfg.run.steps:
+            if every and trainer.step_count % every == 0 and trainer.step_count < cfg.run.steps:
                 save("ok")
+    save("ok")
     if dist_info.is_main:
-        save("ok")
         export_final(run_dir / "final", models, cfg)
+    barrier(dist_info.group)  # no rank leaves (and tears the group down) before the final model is written
     return run_dir
 
 
@@ -668,12 +778,12 @@ def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Checkpoint | None:
     return None
 
 
-def _ptx_batches(cfg: Config, tokenizer, device) -> Callable[[], dict[str, torch.Tensor]] | None:
+def _ptx_batches(cfg: Config, tokenizer, device, rank: int = 0) -> Callable[[], dict[str, torch.Tensor]] | None:
     """PPO-ptx: an endless, seeded stream of SFT batches from data.ptx_demonstrations."""
     if cfg.data.ptx_demonstrations is None or cfg.ppo.ptx_coef == 0:
         return None
     examples = [{"prompt": p, "response": r} for p, r in load_demonstrations(cfg.data.ptx_demonstrations)]
-    rng = random.Random(cfg.run.seed)
+    rng = random.Random(rank_seed(cfg.run.seed, rank))  # each rank its own demonstrations
 
     def next_batch() -> dict[str, torch.Tensor]:
         batch = sft_batch(tokenizer, rng.sample(examples, min(cfg.ppo.ptx_batch_size, len(examples))))

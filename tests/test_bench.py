@@ -1,0 +1,50 @@
+"""The benchmark keeps working: smallest size, 2 steps, lmppo alone (CI has no TRL). No timing assertions."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_trainer import run_files  # noqa: F401  (fixture)
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ppo.py"
+FIGURES = {"seconds_per_step", "tokens_per_second", "generation_tokens_per_second", "phase_seconds",
+           "peak_rss_mb", "train_gflops", "matmul_peak_gflops", "train_peak_fraction", "flop_floor_s"}
+PHASES = {"generation", "logprobs", "values", "scoring", "update_forward", "backward", "optimizer", "gc", "other"}
+
+
+@pytest.mark.slow
+def test_bench_runs_and_prints_the_json_line(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--sizes", "h128_l4", "--steps", "2", "--warmup", "0", "--repeats", "1",
+         "--impls", "lmppo", "--variants", "", "--no-quickstart", "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {"date", "machine", "settings", "results"} <= set(report)
+    lmppo = report["results"]["h128_l4"]["lmppo"]
+    assert FIGURES <= set(lmppo)
+    assert set(lmppo["phase_seconds"]) == PHASES
+    assert lmppo["seconds_per_step"] > 0 and lmppo["peak_rss_mb"] > 0
+    assert "trl" not in report["results"]["h128_l4"]  # not asked for: lmppo is reported alone
+
+
+BENCH_DISTRIBUTED = BENCH.parent / "bench_distributed.py"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bench_distributed_runs_one_and_two_processes(run_files, tmp_path):  # noqa: F811
+    done = subprocess.run(
+        [sys.executable, str(BENCH_DISTRIBUTED), "--config", str(run_files), "--procs", "1,2", "--steps", "2",
+         "--warmup", "0", "--repeats", "1", "--work-dir", str(tmp_path / "bench")],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    one, two = report["results"]["1"], report["results"]["2"]
+    assert one["allreduce_mb_per_step"] == 0 and one["seconds_per_step"] > 0
+    # DDP sent every trainable parameter's gradient once per optimiser step (float32)
+    assert two["allreduce_mb_per_step"] == pytest.approx(two["expected_allreduce_mb_per_step"], rel=0.01)

@@ -1,0 +1,174 @@
+"""Data parallelism: one PPO step on 2 gloo ranks equals the step on 1 process; torchrun through the CLI."""
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from test_resume import comparable, write_config
+from test_trainer import run_cli, run_files, toy_models, toy_trainer  # noqa: F401  (run_files is a fixture)
+
+from lmppo.checkpoint import latest_checkpoint, load_checkpoint
+from lmppo.distributed import check_world_size
+from lmppo.errors import LmppoError
+from lmppo.metrics import read_metrics, reduce_metrics
+from lmppo.rollout import HFGenerator
+from lmppo.trainer import seed_everything
+
+BATCH = 8
+# one minibatch of the whole batch (every rank's rows), two epochs, micro-batches of 4 rows (2 per rank)
+STEP_OVERRIDES = ("rollout.max_new_tokens=8", f"rollout.batch_size={BATCH}", f"ppo.minibatch_size={BATCH}",
+                  "ppo.micro_batch_size=4", "ppo.ppo_epochs=2", "ppo.lr=1e-2", "ppo.adam_eps=1e-5")
+GLOBAL_METRICS = ("policy/loss", "value/loss", "policy/approx_kl", "policy/entropy", "policy/clip_frac",
+                  "policy/ratio_mean", "adv/mean", "adv/std", "value/explained_var", "kl/ref", "reward/rm_score",
+                  "response/length", "health/grad_norm", "value/grad_norm")
+
+
+class FixedRollouts:
+    """A generator that hands out the same pre-sampled rollout (one rank's shard of it)."""
+
+    def __init__(self, rollout):
+        self.rollout = rollout
+
+    def generate(self, prompts, policy_version):
+        return dataclasses.replace(self.rollout, policy_version=policy_version)
+
+
+def fixed_global_rollout(tmp_path):
+    """A sampled batch of BATCH responses, written to a file and read back as every run's input."""
+    models = toy_models()
+    seed_everything(3)
+    rollout = HFGenerator(models.policy, models.tokenizer, max_new_tokens=8).generate(
+        ["tell me about the cat", "write a short poem", "tell me a story", "the day was very happy"] * 2,
+        policy_version=0)
+    assert 0 < rollout.response_mask.sum(1).min() < rollout.response_mask.sum(1).max()  # ragged lengths
+    torch.save(rollout, tmp_path / "rollout.pt")
+    return torch.load(tmp_path / "rollout.pt", weights_only=False)
+
+
+def ppo_step(rank: int, world: int, rollout) -> dict:
+    """One PPO step on this rank's contiguous shard of ``rollout``; returns what the test compares."""
+    group = dist.group.WORLD if world > 1 else None
+    rows = BATCH // world
+    shard = rollout.select(slice(rank * rows, (rank + 1) * rows))
+    trainer = toy_trainer(*STEP_OVERRIDES, generator=FixedRollouts(shard), group=group, rank=rank,
+                          world_size=world)
+    trainer.generator.rollout.extras.clear()
+    collected = {}
+
+    def keep(rollout):  # the rollout that the trainer scores (its extras hold the advantages)
+        collected["rollout"] = rollout
+        return rollout
+
+    generate = trainer.generator.generate
+    trainer.generator.generate = lambda prompts, policy_version: keep(generate(prompts, policy_version))
+    metrics = reduce_metrics(trainer.step(), group)
+    return {
+        "advantages": collected["rollout"].extras["advantages"],
+        "response_mask": collected["rollout"].response_mask,
+        "metrics": metrics,
+        "policy": {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()},
+        "value_head": trainer.value_model.head.weight.detach().clone(),
+    }
+
+
+def _rank_worker(rank: int, world: int, port: int, rollout, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results[rank] = ppo_step(rank, world, rollout)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_two_ranks_take_the_same_step_as_one_process(tmp_path):
+    rollout = fixed_global_rollout(tmp_path)
+    alone = ppo_step(0, 1, rollout)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        port = 29500 + os.getpid() % 1000
+        mp.spawn(_rank_worker, args=(2, port, rollout, results), nprocs=2, join=True)
+        ranks = [results[0], results[1]]
+
+    # Whitened advantages: global mean and std over both ranks' response tokens, no padding.
+    mask = alone["response_mask"].bool()
+    together = torch.cat([r["advantages"] for r in ranks])
+    torch.testing.assert_close(together[mask], alone["advantages"][mask], atol=1e-5, rtol=1e-5)
+    assert abs(together[mask].mean().item()) < 1e-5 and together[mask].std(unbiased=False).item() == pytest.approx(1, abs=1e-4)
+    # Losses and statistics: global token means, the same on both ranks and equal to one process's.
+    for key in GLOBAL_METRICS:
+        assert ranks[0]["metrics"][key] == ranks[1]["metrics"][key], key
+        assert ranks[0]["metrics"][key] == pytest.approx(alone["metrics"][key], rel=1e-4, abs=1e-6), key
+    assert ranks[0]["metrics"]["perf/allreduce_mb"] > 0 and "perf/allreduce_mb" not in alone["metrics"]
+    # Updated weights: identical on both ranks (DDP synced the gradients), equal to one process's.
+    start = toy_models().policy.state_dict()
+    for name, weight in alone["policy"].items():
+        assert torch.equal(ranks[0]["policy"][name], ranks[1]["policy"][name]), name
+        moved = (weight - start[name]).abs().max().item()
+        assert moved > 0 or name.endswith("inv_freq"), f"{name} did not train"
+        torch.testing.assert_close(ranks[0]["policy"][name], weight, atol=1e-4 * 1e-2, rtol=0, msg=name)
+    torch.testing.assert_close(ranks[0]["value_head"], alone["value_head"], atol=1e-6, rtol=0)
+
+
+def test_global_sizes_must_split_over_the_ranks():
+    check_world_size(2, **{"rollout.batch_size": 8, "ppo.micro_batch_size": None})
+    with pytest.raises(LmppoError, match=r"ppo.minibatch_size=3 .*divisible by the 2 ranks"):
+        check_world_size(2, **{"rollout.batch_size": 8, "ppo.minibatch_size": 3})
+
+
+# --------------------------------------------------------------------------------------------------
+# torchrun through the CLI
+# --------------------------------------------------------------------------------------------------
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 -m lmppo ppo ARGS`` (torchrun's module form, as in the docs)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "lmppo", "ppo", *args, "--quiet"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_two_ranks_log_once_checkpoint_every_rank_and_resume_exactly(run_files, capsys):  # noqa: F811
+    straight = write_config(run_files, run={"steps": 4, "output_dir": str(run_files.parent / "straight")})
+    done = torchrun(str(straight))
+    assert done.returncode == 0, done.stderr[-4000:]
+    a = run_files.parent / "straight"
+    records = read_metrics(a)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # rank 0 logs; rank 1 does not
+    assert all(r["perf/allreduce_mb"] > 0 and math.isfinite(r["policy/loss"]) for r in records)
+    assert (a / "final" / "config.json").is_file()
+    checkpoint = latest_checkpoint(a)
+    assert json.loads((checkpoint / "manifest.json").read_text())["world_size"] == 2
+    rng = load_file(checkpoint / "rng.safetensors")
+    assert not torch.equal(rng["rank0/torch"], rng["rank1/torch"])  # each rank samples its own stream
+
+    split = write_config(straight, run={"steps": 2, "output_dir": str(run_files.parent / "split")})
+    assert torchrun(str(split)).returncode == 0
+    done = torchrun("--resume", str(run_files.parent / "split"), "run.steps=4")
+    assert done.returncode == 0, done.stderr[-4000:]
+    b = run_files.parent / "split"
+    assert comparable(read_metrics(a)) == comparable(read_metrics(b))
+    for group in ("policy", "value", "optimizer"):
+        saved_a, saved_b = (load_checkpoint(latest_checkpoint(d)).tensors[group] for d in (a, b))
+        assert saved_a.keys() == saved_b.keys() and all(torch.equal(saved_a[k], saved_b[k]) for k in saved_a), group
+
+    # One process cannot continue a 2-rank run's sampling streams: refused unless explicitly allowed.
+    shutil.copytree(b, run_files.parent / "alone")
+    assert run_cli("ppo", "--resume", str(run_files.parent / "alone"), "run.steps=5") == 2
+    assert "world_size" in capsys.readouterr().err
+    with pytest.warns(UserWarning, match="written by 2 ranks and this run has 1"):
+        assert run_cli("ppo", "--resume", str(run_files.parent / "alone"), "run.steps=5", "--allow-config-change") == 0
+    assert [r["step"] for r in read_metrics(run_files.parent / "alone")] == [1, 2, 3, 4, 5]
