@@ -1,10 +1,13 @@
 import copy
 import io
+import json
 import math
 
 import pytest
 import torch
+import yaml
 from rich.console import Console
+from test_trainer import run_cli, run_files  # noqa: F401  (run_files is a fixture)
 
 from lmppo.errors import LmppoError
 from lmppo.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table, win_rate
@@ -146,3 +149,20 @@ def test_compare_policies_falls_back_to_the_reward_model_and_checks_prompts():
         compare_policies({"sft": fake_result(None)}, baseline="rl")
     with pytest.raises(LmppoError, match="different prompts"):
         compare_policies({"sft": fake_result(None), "ppo": fake_result(None, prompts=("a", "b", "z"))})
+
+
+def test_lmppo_eval_judges_start_and_final_policy_with_the_configured_judge(run_files, tmp_path):  # noqa: F811
+    (tmp_path / "judge.py").write_text("def brief(prompt, response):\n    return float(len(response.split()) <= 3)\n")
+    config = yaml.safe_load(run_files.read_text())
+    config["data"].update(eval_prompts=config["data"]["prompts"], eval_judge=f"{tmp_path / 'judge.py'}:brief")
+    run_files.write_text(yaml.safe_dump(config))
+    assert run_cli("ppo", str(run_files)) == 0
+    run_dir = run_files.parent / "run"
+    assert run_cli("eval", str(run_dir)) == 0
+    record = json.loads((run_dir / "eval.json").read_text())
+    for name in ("start", "PPO"):
+        rows = record["policies"][name]["rows"]
+        assert {row["gold_score"] for row in rows} <= {0.0, 1.0}
+        expected = sum(float(len(row["response"].split()) <= 3) for row in rows) / len(rows)
+        assert record["policies"][name]["metrics"]["eval/gold_score"] == pytest.approx(expected)
+    assert record["summary"]["judge"] == "gold"  # the win rate is decided by the configured judge

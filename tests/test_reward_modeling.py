@@ -9,17 +9,22 @@ import statistics
 
 import pytest
 import torch
+from safetensors import safe_open
 
+from lmppo import reward_modeling
+from lmppo.config import SupervisedConfig
 from lmppo.errors import LmppoError
+from lmppo.models import load_reward_model, with_lora
 from lmppo.reward_modeling import (
     bradley_terry_loss,
     evaluate_reward_model,
     load_preference_jsonl,
+    run_train_rm,
     sequence_scores,
     train_reward_model,
 )
 from lmppo.scoring import RewardModelScorer, render_for_reward_model
-from lmppo.sft import pad, train_sft
+from lmppo.sft import merged, pad, train_sft
 from lmppo.toy import task
 from lmppo.toy.models import build_policy, reward_model_from_policy
 from lmppo.toy.tokenizer import policy_tokenizer, reward_tokenizer, train_bpe
@@ -160,6 +165,72 @@ def test_load_preference_jsonl_refuses_missing_and_empty_files(tmp_path):
         load_preference_jsonl(tmp_path / "nope.jsonl")
     with pytest.raises(LmppoError, match="holds no preference pairs"):
         load_preference_jsonl(write_rows(tmp_path / "empty.jsonl", [""]))
+
+
+# --------------------------------------------------------------------------------------------------
+# `lmppo train-rm` with LoRA
+# --------------------------------------------------------------------------------------------------
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # config.LoraConfig's default target_modules
+
+
+def test_lora_train_rm_trains_adapters_and_head_only_and_saves_a_merged_reward_model(
+    bpe, tmp_path, monkeypatch
+):
+    tok = reward_tokenizer(bpe)
+    base = build_policy(tok, seed=0, hidden_size=32)  # a causal LM checkpoint: train-rm adds the score head
+    base.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    held_out = task.preference_pairs(16, seed=0, split="test", label_noise=0.0)
+    cfg = SupervisedConfig(
+        model={"path": str(tmp_path / "base")},
+        data=write_rows(
+            tmp_path / "train.jsonl", task.preference_pairs(32, seed=0, split="train", label_noise=0.0)
+        ),
+        eval_data=write_rows(tmp_path / "test.jsonl", held_out),
+        output_dir=str(tmp_path / "rm"),
+        epochs=2,
+        lr=1e-2,
+        batch_size=16,
+        lora={"enabled": True, "r": 4},
+    )
+    prompts, responses = [p["prompt"] for p in held_out], [p["chosen"] for p in held_out]
+    seen = {}
+
+    def remember_head(model, lora):
+        seen["head"] = model.score.weight.detach().clone()
+        return with_lora(model, lora)
+
+    def score_then_merge(model):  # the trained model, adapters not yet merged
+        seen["scores"] = RewardModelScorer(model, tok)(prompts, responses)
+        return merged(model)
+
+    monkeypatch.setattr(reward_modeling, "with_lora", remember_head)
+    monkeypatch.setattr(reward_modeling, "merged", score_then_merge)
+    stats = run_train_rm(cfg)
+
+    out = tmp_path / "rm"
+    assert not list(out.glob("adapter*")) and not (out / "README.md").exists()  # no peft files: merged
+    assert json.loads((out / "config.json").read_text())["architectures"] == [
+        "LlamaForSequenceClassification"
+    ]
+    with safe_open(out / "model.safetensors", "pt") as saved:
+        keys = saved.keys()  # safe_open is not iterable
+        assert not [k for k in keys if "lora_" in k or "modules_to_save" in k or "original_module" in k]
+    rm = load_reward_model(out)
+    # only the adapted projections (merged) and the whole score head changed; the rest is the base
+    for name, weight in rm.model.state_dict().items():
+        adapted = name.endswith(tuple(f"{t}.weight" for t in LORA_TARGETS))
+        assert torch.equal(weight, base.model.state_dict()[name]) != adapted, name
+    assert not torch.equal(rm.score.weight, seen["head"])
+    adapters = sum(
+        4 * (m.in_features + m.out_features) for n, m in rm.named_modules() if n.endswith(LORA_TARGETS)
+    )
+    assert stats["trained_parameters"] == adapters + rm.score.weight.numel()
+    # the saved model scores as the trained one did, and the held-out evaluation is of that model
+    assert torch.allclose(RewardModelScorer(rm, tok)(prompts, responses), seen["scores"], atol=1e-5)
+    assert stats["eval"] == json.loads((out / "rm_eval.json").read_text())
+    assert stats["eval"]["accuracy"] == pytest.approx(evaluate_reward_model(rm, tok, held_out)["accuracy"])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -135,7 +135,7 @@ def user_rewards(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("no_colon", "must look like"),
+        ("no_colon", "must look like 'package.module:function' or 'path/to/file.py:function'"),
         ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
         ("user_rewards:missing", "has no attribute 'missing'"),
         ("user_rewards:NOT_A_FUNCTION", "is a int, not a function"),
@@ -162,6 +162,16 @@ def test_reward_function_output_errors_name_the_function(user_rewards, spec, mes
 def test_reward_function_passes_non_finite_scores_to_the_guards(user_rewards):
     scores = load_reward_function("user_rewards:nan")(["a", "b"], ["x", "y"])
     assert torch.isfinite(scores).tolist() == [True, False]
+
+
+def test_reward_function_from_a_file_path(tmp_path, monkeypatch):
+    (tmp_path / "my_reward.py").write_text("IMPORTS = []\nIMPORTS.append(1)\ndef score(prompts, responses):\n"
+                                           "    return [len(r) + len(IMPORTS) for r in responses]\n")
+    monkeypatch.chdir(tmp_path)  # a relative path starts at the working directory
+    assert load_reward_function("my_reward.py:score")(["a"], ["xy"]).tolist() == [3.0]
+    assert load_reward_function(f"{tmp_path}/my_reward.py:score")(["a"], ["xy"]).tolist() == [3.0]  # imported once
+    with pytest.raises(LmppoError, match="no file .*missing.py"):
+        load_reward_function("missing.py:score")
 
 
 def test_reward_function_accepts_ints(user_rewards):

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
 import torch
 
+from lmppo.config import SupervisedConfig
 from lmppo.core import token_logprobs
 from lmppo.errors import LmppoError
+from lmppo.models import load_causal_lm
 from lmppo.rollout import HFGenerator
-from lmppo.sft import IGNORE, response_nll, sft_batch, sft_features, train_sft
+from lmppo.sft import IGNORE, response_nll, run_sft, sft_batch, sft_features, train_sft
 from lmppo.toy.models import build_policy
-from lmppo.toy.task import gold_score, tokenizer_corpus, toy_datasets
+from lmppo.toy.task import demonstrations, gold_score, tokenizer_corpus, toy_datasets
 from lmppo.toy.tokenizer import policy_tokenizer, train_bpe
 
 EXAMPLES = [
@@ -90,6 +93,37 @@ def test_eos_stays_a_target_when_pad_is_eos(tok):
 def test_train_sft_refuses_empty_data(tok):
     with pytest.raises(LmppoError, match="no demonstrations"):
         train_sft(build_policy(tok, seed=0, hidden_size=32), tok, [], epochs=1, lr=1e-3, batch_size=2, seed=0)
+
+
+def test_lora_sft_saves_a_merged_causal_lm_with_a_lower_loss(tok, tmp_path):
+    base = build_policy(tok, seed=0, hidden_size=32)
+    base.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    data = demonstrations(64, seed=0, split="train")
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in data))
+    cfg = SupervisedConfig(
+        model={"path": str(tmp_path / "base")},
+        data=str(tmp_path / "sft.jsonl"),
+        eval_data=str(tmp_path / "sft.jsonl"),
+        output_dir=str(tmp_path / "sft"),
+        epochs=4,
+        lr=2e-2,
+        batch_size=16,
+        lora={"enabled": True, "r": 4, "target_modules": "all-linear"},
+    )
+    stats = run_sft(cfg)
+
+    out = tmp_path / "sft"
+    assert not list(out.glob("adapter*"))  # merged: a plain transformers directory
+    model = load_causal_lm(out)
+    before, after = response_nll(base, tok, data), response_nll(model, tok, data)
+    assert after < before and stats["eval_nll"] == pytest.approx(after, abs=1e-5)
+    # every linear layer but the (tied) output layer got an adapter; nothing else was trained
+    linears = [m for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    assert stats["trained_parameters"] == sum(4 * (m.in_features + m.out_features) for m in linears)
+    for name, weight in model.state_dict().items():
+        if not name.endswith("proj.weight"):
+            assert torch.equal(weight, base.state_dict()[name]), name
 
 
 @pytest.mark.slow

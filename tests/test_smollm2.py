@@ -7,12 +7,14 @@ The GGUF file is converted once per machine into ``.cache/lmppo/smollm2`` (git-i
 from __future__ import annotations
 
 import importlib.util
+import math
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from lmppo.config import load_config
 from lmppo.core import token_logprobs
 from lmppo.models import (
     cache_gguf_as_transformers,
@@ -21,7 +23,8 @@ from lmppo.models import (
     model_identity,
     resolve_source,
 )
-from lmppo.rollout import HFGenerator, response_logits
+from lmppo.rollout import HFGenerator, reference_logprobs, response_logits
+from lmppo.trainer import PPOTrainer, load_models, seed_everything
 
 pytestmark = pytest.mark.slow
 
@@ -78,19 +81,7 @@ def test_smollm2_chat_template_sampling_and_masks(smollm2):
     )
 
     assert rollout.terminated.any() and not rollout.terminated.all()  # short answers stop, the story is cut
-    for b in range(len(rollout)):
-        ids, mask = rollout.response_ids[b], rollout.response_mask[b].bool()
-        n = int(mask.sum())
-        assert mask[:n].all() and not mask[n:].any()
-        if rollout.terminated[b]:
-            assert ids[n - 1] == im_end and not (ids[: n - 1] == im_end).any()
-            assert (ids[n:] == im_end).all()  # generate pads finished rows with pad == EOS
-        else:
-            assert n == 16 and not (ids == im_end).any()
-        assert "<|im_end|>" not in rollout.response_texts[b]
-        assert rollout.response_texts[b] == tokenizer.decode(
-            ids[: n - int(rollout.terminated[b])], skip_special_tokens=True
-        )
+    assert_masks_around_im_end(rollout, tokenizer, max_new_tokens=16)
     assert "paris" in rollout.response_texts[0].lower()
 
     with torch.no_grad():
@@ -100,9 +91,74 @@ def test_smollm2_chat_template_sampling_and_masks(smollm2):
     assert gap < 1e-3
 
 
+def assert_masks_around_im_end(rollout, tokenizer, max_new_tokens: int) -> None:
+    """Counted tokens run up to and including the first <|im_end|> (also the pad id), nothing after it."""
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for b in range(len(rollout)):
+        ids, mask = rollout.response_ids[b], rollout.response_mask[b].bool()
+        n = int(mask.sum())
+        assert mask[:n].all() and not mask[n:].any()
+        if rollout.terminated[b]:
+            assert ids[n - 1] == im_end and not (ids[: n - 1] == im_end).any()
+            assert (ids[n:] == im_end).all()  # finished rows are padded with pad == EOS
+        else:
+            assert n == max_new_tokens and not (ids == im_end).any()
+        assert "<|im_end|>" not in rollout.response_texts[b]
+        assert rollout.response_texts[b] == tokenizer.decode(
+            ids[: n - int(rollout.terminated[b])], skip_special_tokens=True
+        )
+
+
 def test_smollm2_identity_from_the_gguf_file(smollm2):
     model, tokenizer = smollm2
     identity = model_identity("policy", model, source=resolve_source(smollm2_gguf()), tokenizer=tokenizer)
     assert identity.source.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert len(identity.weights_sha256) == 64 and identity.chat_template_sha256 is not None
     assert identity.num_parameters == pytest.approx(134.5e6, rel=0.01)  # tied embeddings counted once
+
+
+@pytest.mark.parametrize("value_mode", ["separate", "shared"])
+def test_two_lora_ppo_steps_on_smollm2(smollm2, tmp_path, value_mode):
+    """Two PPO steps with LoRA and a programmatic reward: finite metrics, masks around <|im_end|>, only the
+    adapters (and the value head) train, the reference (adapter disabled) stays the base model."""
+    (tmp_path / "brevity.py").write_text("def reward(prompts, responses):\n"
+                                         "    return [-len(r.split()) / 10 for r in responses]\n")
+    value = {"mode": "shared"} if value_mode == "shared" else {
+        "mode": "separate", "init_from": "policy", "lora": {"enabled": True, "r": 8, "alpha": 16}}
+    cfg = load_config(base={
+        "models": {"policy": {"path": str(CACHE_DIR)}, "policy_lora": {"enabled": True, "r": 8, "alpha": 16},
+                   "value": value},
+        "reward": {"function": f"{tmp_path / 'brevity.py'}:reward", "missing_eos_penalty": 1.0},
+        "data": {"prompts": "unused"},
+        "rollout": {"batch_size": 4, "max_new_tokens": 16, "temperature": 0.7},
+        "ppo": {"minibatch_size": 2, "ppo_epochs": 2, "lr": 1e-3},
+    })
+    seed_everything(0)
+    models = load_models(cfg, torch.device("cpu"))
+    trainer = PPOTrainer(cfg, models, PROMPTS)
+    frozen = {(name, k): v.clone() for name, module in (("policy", trainer.policy), ("value", trainer.value_model))
+              for k, v in module.named_parameters() if not v.requires_grad}
+    adapters = {k: v.clone() for k, v in trainer.policy.named_parameters() if v.requires_grad}
+    assert adapters and all("lora_" in k for k in adapters)
+    value_trained = [k for k, v in trainer.value_model.named_parameters() if v.requires_grad]
+    assert all("lora_" in k or k.startswith("head.") for k in value_trained)
+    rollouts = []
+    generate = trainer.generator.generate
+    trainer.generator.generate = lambda prompts, policy_version: rollouts.append(generate(prompts, policy_version)) or rollouts[-1]
+
+    metrics = [trainer.step() for _ in range(2)]
+    logp_ref_after = reference_logprobs(models.reference, rollouts[0])
+
+    assert all(math.isfinite(v) for m in metrics for v in m.values())
+    for rollout in rollouts:
+        assert_masks_around_im_end(rollout, models.tokenizer, max_new_tokens=16)
+    after = {name: dict(module.named_parameters()) for name, module in (("policy", trainer.policy),
+                                                                         ("value", trainer.value_model))}
+    assert all(torch.equal(after[name][k], v) for (name, k), v in frozen.items())  # base weights untouched
+    assert all(not torch.equal(after["policy"][k], v) for k, v in adapters.items() if "lora_B" in k)  # adapters trained
+    # The reference is the base model: the stored logp_ref of step 1 is reproduced after two updates.
+    torch.testing.assert_close(logp_ref_after, rollouts[0].extras["logp_ref"], atol=1e-5, rtol=0)
+    with torch.no_grad():
+        base_logp = token_logprobs(response_logits(smollm2[0], rollouts[0]), rollouts[0].response_ids)
+    mask = rollouts[0].response_mask.bool()
+    torch.testing.assert_close(logp_ref_after[mask], base_logp[mask], atol=1e-4, rtol=0)

@@ -152,9 +152,9 @@ def run_files(tmp_path):
 
 
 def run_cli(*args: str) -> int:
-    from lmppo.cli import main
-
     import sys
+
+    from lmppo.cli import main
 
     argv, sys.argv = sys.argv, ["lmppo", *args]
     try:

@@ -66,7 +66,8 @@ class RewardConfig(Section):
     """The reward: a learned reward model *or* a programmatic ``module:function``, plus preprocessing."""
 
     model: ModelSource | None = None
-    function: str | None = Field(None, description="'module:function' taking (prompts, responses)")
+    function: str | None = Field(
+        None, description="'package.module:function' or 'path/to/file.py:function' taking (prompts, responses)")
     batch_size: int = Field(16, gt=0)
     max_length: int | None = Field(None, gt=0, description="truncate RM inputs (its own tokens)")
     missing_eos_penalty: float | None = Field(None, description="added to the score of truncated rows")
@@ -83,6 +84,9 @@ class RewardConfig(Section):
 class DataConfig(Section):
     prompts: str = Field(description="JSONL file ({'prompt'} or {'messages'} per row) or a datasets dir")
     eval_prompts: str | None = None
+    eval_judge: str | None = Field(
+        None, description="'module:function' or 'file.py:function', (prompt, response) -> float: the held-out "
+                          "judge of `lmppo eval` (eval/gold_score), e.g. 1.0 when a response meets the target")
     split: str | None = Field(None, description="split of a DatasetDict saved with save_to_disk")
     shuffle: bool = True
     raw_prompts: bool = Field(False, description="feed prompts as plain text, without a chat template")
@@ -223,6 +227,7 @@ class SupervisedConfig(TrainingStage):
     eval_data: str | None = None
     seed: int = 0
     output_dir: str
+    lora: LoraConfig = Field(LoraConfig(), description="train LoRA adapters (merged into the saved model)")
 
 
 class QuickstartConfig(Section):

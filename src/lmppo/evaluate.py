@@ -239,7 +239,7 @@ def evaluate_run(run_dir, prompts_path=None) -> dict:
     from lmppo.data import load_prompts
     from lmppo.models import load_causal_lm, load_tokenizer
     from lmppo.report import write_eval_json
-    from lmppo.scoring import reward_from_config
+    from lmppo.scoring import load_function, reward_from_config
 
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml")
@@ -249,11 +249,12 @@ def evaluate_run(run_dir, prompts_path=None) -> dict:
     if not (run_dir / "final").is_dir():
         raise LmppoError(f"{run_dir / 'final'} does not exist: the run has not finished (continue it with --resume)")
     m, r = cfg.models.policy, cfg.rollout
+    gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
     start = load_causal_lm(m.path, gguf_file=m.gguf_file, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
     results = {
         name: evaluate_policy(
             policy, load_tokenizer(m.path, m.gguf_file), load_prompts(prompts_path), reward_fn=reward_from_config(cfg.reward),
-            reference=start, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+            reference=start, gold_fn=gold_fn, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
             stop_token_ids=r.stop_token_ids, chat_template=m.chat_template, raw_prompts=cfg.data.raw_prompts,
             batch_size=cfg.run.eval_batch_size, seed=cfg.run.seed,
         )

@@ -64,6 +64,9 @@ METRIC_NAMES: dict[str, str] = {
     "perf/step_s": "wall-clock seconds of the whole PPO step",
     "perf/rollout_s": "seconds spent generating",
     "perf/score_s": "seconds spent scoring (reward model, reference and value forward passes)",
+    "perf/reward_s": "of perf/score_s: seconds in the reward (model or function) and its preprocessing",
+    "perf/reference_s": "of perf/score_s: seconds in the reference model's forward passes",
+    "perf/values_s": "of perf/score_s: seconds in the value model's forward passes",
     "perf/update_s": "seconds spent in the PPO epochs",
     "perf/rollout_tokens_per_s": "generated response tokens per second, all ranks",
     "perf/train_tokens_per_s": "response tokens processed per second of PPO update, all ranks",
@@ -88,6 +91,9 @@ REDUCE_OPS: dict[str, str] = {
     "perf/step_s": "max",  # the slowest rank sets the pace
     "perf/rollout_s": "max",
     "perf/score_s": "max",
+    "perf/reward_s": "max",
+    "perf/reference_s": "max",
+    "perf/values_s": "max",
     "perf/update_s": "max",
     "perf/rollout_tokens_per_s": "min",  # all ranks' tokens over this rank's seconds: the slowest rank's
     "perf/train_tokens_per_s": "min",

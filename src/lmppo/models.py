@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import ModulesToSaveWrapper
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
@@ -280,7 +281,11 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_reward_model(cls, reward_model: PreTrainedModel, *, copy_weights: bool = True) -> ValueModel:
-        """Backbone and score head of a reward model: a trainable copy, or (``copy_weights=False``) a view."""
+        """Backbone and score head of a reward model: a trainable copy, or (``copy_weights=False``) a view.
+
+        A LoRA reward model (see :func:`apply_lora`) is viewed through its adapters and trained head copy.
+        """
+        reward_model = unwrap_model(reward_model)
         backbone, head = reward_model.base_model, _score_head(reward_model)
         if copy_weights:
             backbone, head = copy.deepcopy(backbone), copy.deepcopy(head)
@@ -319,9 +324,11 @@ def _without_adapters(module: nn.Module) -> nn.Module:
     return module
 
 
-def _score_head(reward_model: PreTrainedModel) -> nn.Linear:
+def _score_head(reward_model: PreTrainedModel) -> nn.Module:
+    """The one-output ``score`` head; under LoRA, peft's wrapper that runs the trained copy of it."""
     head = getattr(reward_model, "score", None)
-    if not isinstance(head, nn.Linear) or head.out_features != 1:
+    linear = head.original_module if isinstance(head, ModulesToSaveWrapper) else head
+    if not isinstance(linear, nn.Linear) or linear.out_features != 1:
         raise LmppoError(
             f"{type(reward_model).__name__} has no one-output `score` head; lmppo reads rewards from "
             "`*ForSequenceClassification` models of causal LMs with num_labels=1."
@@ -350,10 +357,13 @@ def apply_lora(
     dropout: float = 0.0,
     target_modules: str | list[str] = "all-linear",
 ) -> nn.Module:
-    """Wrap a causal LM (returns a ``PeftModel``) or a separate :class:`ValueModel`'s backbone with LoRA.
+    """Wrap a causal LM or a sequence classifier (returns a ``PeftModel``), or a separate
+    :class:`ValueModel`'s backbone, with LoRA.
 
-    Only the adapter (and a value model's head) stays trainable. ``target_modules="all-linear"`` targets
-    every linear layer except the output layer.
+    Only the adapter stays trainable, plus a value model's head, or a sequence classifier's ``score`` head
+    in full (peft's ``SEQ_CLS`` task keeps a trained copy of it, ``modules_to_save``: a new head is not
+    low-rank). ``target_modules="all-linear"`` targets every linear layer except the output/score layer.
+    ``merge_and_unload()`` turns the result back into a plain transformers model with the trained weights.
     """
     config = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": target_modules}
     if isinstance(model, ValueModel):
@@ -361,7 +371,16 @@ def apply_lora(
             raise LmppoError("a shared-trunk value model gets LoRA through the policy; apply LoRA there.")
         model.backbone = get_peft_model(model.backbone, LoraConfig(task_type="FEATURE_EXTRACTION", **config))
         return model
-    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **config))
+    task_type = "SEQ_CLS" if type(model).__name__.endswith("ForSequenceClassification") else "CAUSAL_LM"
+    return get_peft_model(model, LoraConfig(task_type=task_type, **config))
+
+
+def with_lora(model: nn.Module, lora) -> nn.Module:
+    """``model`` with LoRA adapters as configured (a :class:`lmppo.config.LoraConfig`) when ``lora.enabled``,
+    else ``model`` itself (all weights trained)."""
+    if not lora.enabled:
+        return model
+    return apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)
 
 
 class LoraReference:

@@ -21,9 +21,9 @@ from transformers import AutoModelForSequenceClassification, PreTrainedModel, Pr
 
 from lmppo.data import prompt_of_row, read_jsonl
 from lmppo.errors import LmppoError
-from lmppo.models import ValueModel, load_tokenizer
+from lmppo.models import ValueModel, load_tokenizer, with_lora
 from lmppo.scoring import RewardModelScorer
-from lmppo.sft import UpdateRule, pad, shuffled_batches
+from lmppo.sft import UpdateRule, merged, pad, shuffled_batches, trained_parameter_count
 
 PAIR_KEYS = ("prompt", "chosen", "rejected")
 SLICE_KEYS = ("type", "length_bucket")
@@ -175,7 +175,10 @@ def load_preference_jsonl(path: str | Path) -> list[dict]:
 
 def run_train_rm(cfg) -> dict:
     """``lmppo train-rm CONFIG``: Bradley-Terry training of ``cfg.model`` (a new score head on a causal LM,
-    or an existing reward model) on ``cfg.data`` pairs; saves it to ``cfg.output_dir`` with held-out metrics."""
+    or an existing reward model) on ``cfg.data`` pairs; saves it to ``cfg.output_dir`` with held-out metrics.
+
+    With ``cfg.lora.enabled`` the backbone is frozen except for LoRA adapters, the score head is trained in
+    full, and the adapters are merged before saving: the directory is a plain sequence-classification model."""
     m = cfg.model
     pairs = load_preference_jsonl(cfg.data)
     held_out = load_preference_jsonl(cfg.eval_data) if cfg.eval_data else None
@@ -184,8 +187,11 @@ def run_train_rm(cfg) -> dict:
         m.path, num_labels=1, local_files_only=True, trust_remote_code=m.trust_remote_code,
         pad_token_id=tokenizer.pad_token_id,
     )
+    model = with_lora(model, cfg.lora)
     stats = train_reward_model(model, tokenizer, pairs, epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size,
                                seed=cfg.seed, chat_template=m.chat_template)
+    stats["trained_parameters"] = trained_parameter_count(model)
+    model = merged(model)
     out = Path(cfg.output_dir)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -8,11 +8,15 @@ mask, not by searching for pad ids (which misfires when pad == EOS).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import math
 import re
+import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -153,26 +157,51 @@ class ProgrammaticReward:
         return scores  # non-finite scores pass on: the trainer counts them and the nonfinite guard decides
 
 
-def load_reward_function(spec: str) -> ProgrammaticReward:
-    """Import ``"package.module:function"`` as a :class:`RewardFunction`."""
-    module_name, sep, attribute = spec.partition(":")
+def load_function(spec: str, what: str = "reward function") -> Callable:
+    """Import ``"package.module:function"`` or ``"path/to/file.py:function"`` (relative to the working
+    directory), with errors naming ``what`` and the spec."""
+    module_name, sep, attribute = spec.rpartition(":")
     if not sep or not module_name or not attribute:
-        raise LmppoError(f"reward function {spec!r} must look like 'package.module:function'.")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        raise LmppoError(
-            f"reward function {spec!r}: cannot import module {module_name!r} ({err}); check the name and "
-            "that it is importable (installed, or on PYTHONPATH)."
-        ) from err
+        raise LmppoError(f"{what} {spec!r} must look like 'package.module:function' or 'path/to/file.py:function'.")
+    module = _import_file(module_name, spec, what) if module_name.endswith(".py") else _import_module(module_name, spec, what)
     function = getattr(module, attribute, None)
     if function is None:
-        raise LmppoError(f"reward function {spec!r}: module {module_name!r} has no attribute {attribute!r}.")
+        raise LmppoError(f"{what} {spec!r}: module {module_name!r} has no attribute {attribute!r}.")
     if not callable(function):
+        raise LmppoError(f"{what} {spec!r}: {attribute!r} is a {type(function).__name__}, not a function.")
+    return function
+
+
+def _import_module(name: str, spec: str, what: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
         raise LmppoError(
-            f"reward function {spec!r}: {attribute!r} is a {type(function).__name__}, not a function."
-        )
-    return ProgrammaticReward(function, spec)
+            f"{what} {spec!r}: cannot import module {name!r} ({err}); check the name and that it is importable "
+            "(installed, or on PYTHONPATH), or give a file: 'path/to/file.py:function'."
+        ) from err
+
+
+def _import_file(path: str, spec: str, what: str):
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise LmppoError(f"{what} {spec!r}: no file {file.resolve()} (a relative path starts at the working directory).")
+    name = f"lmppo_user_{file.stem}_{hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:8]}"
+    if name not in sys.modules:  # import once: the module may build tables at import time
+        module_spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+def load_reward_function(spec: str) -> ProgrammaticReward:
+    """A programmatic reward from ``"package.module:function"`` or ``"path/to/file.py:function"``."""
+    return ProgrammaticReward(load_function(spec, "reward function"), spec)
 
 
 # --------------------------------------------------------------------------------------------------

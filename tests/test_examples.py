@@ -1,0 +1,62 @@
+"""The shipped examples keep working: their configs validate, and the SmolLM2 judge does what its README says."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lmppo.config import Config, SupervisedConfig, load_config
+from lmppo.scoring import load_function, load_reward_function
+
+ROOT = Path(__file__).resolve().parents[1]
+JUDGE = "examples/smollm2/judge.py"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").rglob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_validate(path):
+    schema = SupervisedConfig if "model" in yaml.safe_load(path.read_text()) else Config
+    load_config(path, schema=schema)
+
+
+@pytest.fixture
+def judge(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the configs name the judge relative to the repository root
+    return {name: load_function(f"{JUDGE}:{name}") for name in ("prompt_rows", "judge_row", "meets_target")}
+
+
+def test_committed_prompt_files_are_the_judges_splits_and_share_no_question(judge):
+    for split in ("train", "test"):
+        rows = [json.loads(line) for line in (ROOT / f"examples/smollm2/data/prompts_{split}.jsonl").open()]
+        assert rows == [{"prompt": r["prompt"], "kind": r["kind"]} for r in judge["prompt_rows"](split)]
+    train, test = ({r["prompt"] for r in judge["prompt_rows"](s)} for s in ("train", "test"))
+    assert len(train) >= 4 * len(test) * 0.9 and len(train) + len(test) >= 300 and not train & test
+
+
+@pytest.mark.parametrize("response, correct, meets", [
+    ("Paris.", True, True),
+    ("The capital of France is Paris.", True, True),
+    ("The capital of France is Lyon.", False, False),
+    ("Berlin or Paris.", False, False),  # a hedge: the first capital named is wrong
+    ("Paris Paris Paris Paris", True, False),  # repetitive
+    ("The capital of France, a country in Western Europe with a long history of art, food and culture, is Paris.",
+     True, False),  # correct but not brief
+    ("", False, False),
+])
+def test_judge_rules(judge, response, correct, meets):
+    prompt = next(r["prompt"] for r in judge["prompt_rows"]("train") + judge["prompt_rows"]("test")
+                  if "France" in r["prompt"] and r["kind"] == "capital")
+    row = judge["judge_row"](prompt, response)
+    assert row["correct"] == correct and judge["meets_target"](prompt, response) == float(meets)
+
+
+def test_reward_ranks_short_correct_above_long_or_wrong_and_refuses_unknown_prompts(judge, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    reward = load_reward_function(f"{JUDGE}:reward")
+    prompt = "What is the opposite of hot?"
+    assert prompt in {r["prompt"] for r in judge["prompt_rows"]("train") + judge["prompt_rows"]("test")}
+    long = "The opposite of hot is cold, which describes a low temperature that you can feel on a winter day outside."
+    scores = reward([prompt] * 3, ["Cold.", long, "Warm."]).tolist()
+    assert scores[0] > scores[1] > 0 and scores[0] > scores[2]
+    with pytest.raises(ValueError, match="unknown prompt"):
+        reward(["What is love?"], ["Baby don't hurt me."])
