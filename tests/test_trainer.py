@@ -63,9 +63,11 @@ def test_first_update_sees_ratio_one_and_metrics_are_complete():
     metrics = trainer.step()
     assert metrics["policy/approx_kl"] < 1e-6
     assert abs(metrics["policy/ratio_mean"] - 1.0) < 1e-5 and metrics["policy/clip_frac"] == 0.0
+    assert metrics["lag/engine_logp_gap"] < 1e-5  # the decode loop's log-probs are the trainer's
     expected = {name for name in METRIC_NAMES if not name.startswith(("eval/", "ptx/", "reward/rm_score_used",
                                                                        "reward/eos_penalty", "reward/norm",
-                                                                       "reward/clip", "perf/allreduce_mb"))}
+                                                                       "reward/clip", "perf/allreduce_mb",
+                                                                       "perf/weight_sync_s"))}
     assert expected <= set(metrics), expected - set(metrics)
     assert all(math.isfinite(v) for v in metrics.values())
     assert metrics["policy/updates"] == 1 and trainer.policy_version == 1

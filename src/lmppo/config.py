@@ -96,7 +96,10 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["hf"] = "hf"
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="hf: transformers decode loop on the trained module; vllm: an in-process vLLM engine "
+                          "synced after every update (docs/engines.md)")
+    vllm_kv_cache_gb: int = Field(1, ge=1, description="engine=vllm: the engine's CPU KV cache, whole GiB")
     batch_size: int = Field(16, gt=0, description="prompts per PPO step (global, all ranks)")
     max_new_tokens: int = Field(32, gt=0)
     temperature: float = Field(1.0, gt=0)

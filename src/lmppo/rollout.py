@@ -13,6 +13,7 @@ comes from the tokenizer (never from ``ids != pad``, which hides a real EOS when
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -254,6 +255,14 @@ class Generator(Protocol):
     def generate(self, prompts: Sequence[Prompt], policy_version: int) -> Rollout: ...
 
 
+def _cache_argument(model) -> str:
+    """The forward's KV-cache argument: ``cache`` from transformers 5.2x (``past_key_values`` is its
+    deprecated alias), ``past_key_values`` before. A name the forward does not know would be swallowed
+    by ``**kwargs`` and the loop would silently decode without a cache."""
+    parameters = inspect.signature(unwrap_model(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 class HFGenerator:
     """Samples responses from a transformers causal LM, one decode step per token on a static KV cache.
 
@@ -410,12 +419,13 @@ class HFGenerator:
         """
         batch, width = query_ids.shape
         device = query_ids.device
-        cache = StaticCache(config=unwrap_model(self.model).config, max_cache_len=width + self.max_new_tokens)
+        cache = {_cache_argument(self.model): StaticCache(config=unwrap_model(self.model).config,
+                                                          max_cache_len=width + self.max_new_tokens)}
         attention_mask = torch.zeros(batch, width + self.max_new_tokens, dtype=torch.long, device=device)
         attention_mask[:, :width] = query_mask
         positions = (query_mask.cumsum(dim=1) - 1).clamp(min=0)
         logits = self.model(
-            input_ids=query_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
+            input_ids=query_ids, attention_mask=attention_mask, position_ids=positions, **cache,
             cache_position=torch.arange(width, device=device), logits_to_keep=1, use_cache=True,
         ).logits[:, -1]
         stops = torch.tensor(self.stop_token_ids, device=device)
@@ -435,7 +445,7 @@ class HFGenerator:
             position = position + 1
             logits = self.model(
                 input_ids=token[:, None], attention_mask=attention_mask, position_ids=position,
-                cache=cache, cache_position=torch.tensor([cursor], device=device), use_cache=True,
+                **cache, cache_position=torch.tensor([cursor], device=device), use_cache=True,
             ).logits[:, -1]
         return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)
 

@@ -192,13 +192,9 @@ class PPOTrainer:
         self.allreduce_counter = None
         if group is not None:
             self.train_module, self.allreduce_counter = data_parallel(self.train_module, group)
-        self.generator = generator or HFGenerator(
-            self.policy, models.tokenizer,
-            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-            top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p, stop_token_ids=cfg.rollout.stop_token_ids,
-            chat_template=cfg.models.policy.chat_template, raw_prompts=cfg.data.raw_prompts,
-            max_prompt_length=cfg.data.max_prompt_length, truncate_prompts=cfg.data.truncate_prompts,
-        )
+        if cfg.rollout.engine == "vllm" and world_size > 1:
+            raise LmppoError("rollout.engine=vllm runs with one process; use rollout.engine=hf under torchrun")
+        self.generator = generator or build_generator(cfg, models)
         self.prompt_stream = PromptStream(prompts, cfg.rollout.batch_size, shuffle=cfg.data.shuffle,
                                           seed=cfg.run.seed, rank=rank, world_size=world_size)
         self.ptx_batches, self.evaluator = ptx_batches, evaluator
@@ -265,6 +261,7 @@ class PPOTrainer:
         update_s = time.perf_counter() - update_at
         if update_stats["health/nonfinite_updates"] < update_stats["policy/updates"]:
             self.policy_version += 1  # the policy changed: rollouts sampled before are one version older
+            update_stats.update(self.sync_generator())
 
         # 6. KL controller, fed the global mean per-sequence KL and stepped once per sample.
         beta = self.kl_controller.value
@@ -295,6 +292,15 @@ class PPOTrainer:
         if self.evaluator is not None and cfg.run.eval_every and self.step_count % cfg.run.eval_every == 0:
             metrics.update(self.evaluator())
         return metrics
+
+    def sync_generator(self) -> dict[str, float]:
+        """Give an engine that samples from its own copy of the weights (vLLM) the current policy."""
+        sync = getattr(self.generator, "sync_weights", None)
+        if sync is None:  # HFGenerator samples from the trained module itself
+            return {}
+        started = time.perf_counter()
+        sync(self.policy, self.policy_version)
+        return {"perf/weight_sync_s": time.perf_counter() - started}
 
     def collect_rollout(self) -> Rollout:
         """Generate for the next prompts; regenerate when the rollout lags more than allowed."""
@@ -383,6 +389,9 @@ class PPOTrainer:
             for minibatch in rollout.minibatches(local_minibatch, self.shuffle_generator):
                 stats = self.minibatch_update(minibatch)
                 ratio_max = max(ratio_max, stats.pop("policy/ratio_max"))
+                logp_gap = stats.pop("lag/engine_logp_gap")
+                if n_updates == 0:  # before any update: the sampler's log-probs vs the trainer's, same weights
+                    totals["lag/engine_logp_gap"] = logp_gap
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
                 epoch_kl += stats["policy/approx_kl"]
@@ -391,6 +400,7 @@ class PPOTrainer:
             if ppo.target_approx_kl is not None and epoch_kl / epoch_updates > ppo.target_approx_kl:
                 break  # approx KL is a global token mean, the same on every rank: all stop together
         metrics = {key: value / n_updates for key, value in totals.items()}
+        metrics["lag/engine_logp_gap"] = totals["lag/engine_logp_gap"]
         ratio_var = metrics.pop("policy/ratio_sq") - metrics["policy/ratio_mean"] ** 2
         metrics["policy/ratio_std"] = math.sqrt(max(ratio_var, 0.0))
         metrics["policy/ratio_max"] = ratio_max
@@ -460,6 +470,7 @@ class PPOTrainer:
                 "policy/loss": policy_loss.item(),
                 "policy/clip_frac": clip_frac.item(),
                 "policy/approx_kl": core.approx_kl(logp_new, micro.logp_old, mask).item(),
+                "lag/engine_logp_gap": core.masked_mean((logp_new - micro.logp_old).abs(), mask).item(),
                 "policy/entropy": entropy.item(),
                 "policy/ratio_mean": core.masked_mean(ratio, mask).item(),
                 "policy/ratio_sq": core.masked_mean(ratio**2, mask).item(),
@@ -564,7 +575,27 @@ class PPOTrainer:
         self.prompt_stream.load_state_dict(state["prompt_stream"])
         self._restore_rank_rng(tensors["rng"], state["rng"], int(state["step"]))
         self.step_count, self.policy_version = int(state["step"]), int(state["policy_version"])
+        self.sync_generator()  # an engine with its own weights gets the restored policy
         self.episodes, self.tokens = int(state["episodes"]), int(state["tokens"])
+
+
+def build_generator(cfg: Config, models: PPOModels) -> Generator:
+    """The rollout engine ``rollout.engine`` names, with the config's sampling settings."""
+    options = {
+        "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
+        "top_k": cfg.rollout.top_k, "top_p": cfg.rollout.top_p, "stop_token_ids": cfg.rollout.stop_token_ids,
+        "chat_template": cfg.models.policy.chat_template, "raw_prompts": cfg.data.raw_prompts,
+        "max_prompt_length": cfg.data.max_prompt_length, "truncate_prompts": cfg.data.truncate_prompts,
+    }
+    if cfg.rollout.engine == "vllm":
+        from lmppo.vllm_engine import VLLMGenerator
+
+        if cfg.models.policy.gguf_file or not Path(cfg.models.policy.path).is_dir():
+            raise LmppoError("rollout.engine=vllm loads models.policy.path as a transformers directory; convert a "
+                             "GGUF file first (lmppo.models.cache_gguf_as_transformers)")
+        return VLLMGenerator(models.policy, models.tokenizer, cfg.models.policy.path, seed=cfg.run.seed,
+                             kv_cache_gb=cfg.rollout.vllm_kv_cache_gb, **options)
+    return HFGenerator(models.policy, models.tokenizer, **options)
 
 
 # --------------------------------------------------------------------------------------------------
