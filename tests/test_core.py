@@ -299,6 +299,20 @@ def test_ppo_clip_loss_gradient_and_clipping():
     assert math.isclose(frac.item(), 2 / 3, rel_tol=1e-6)
 
 
+def test_truncated_importance_weights_scale_each_tokens_surrogate():
+    logp_engine = torch.log(torch.tensor([[0.5, 0.2, 0.1, 0.3]]))
+    logp_trainer = torch.log(torch.tensor([[0.5, 0.3, 0.4, 0.3]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    weights = core.truncated_importance_weights(logp_trainer, logp_engine, mask, cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 1.5, 2.0, 0.0]]))  # 0.4/0.1 = 4 is capped at 2
+    adv = torch.tensor([[1.0, -2.0, 3.0, 7.0]])
+    logp_new = logp_trainer.clone().requires_grad_(True)  # ratio 1 against the trainer's log-probs
+    loss, _ = core.ppo_clip_loss(logp_new, logp_trainer, adv, mask, 0.2, token_weights=weights)
+    assert math.isclose(loss.item(), -(1.0 * 1.0 + 1.5 * -2.0 + 2.0 * 3.0) / 3, rel_tol=1e-6)
+    unweighted, _ = core.ppo_clip_loss(logp_new, logp_trainer, adv, mask, 0.2, token_weights=torch.ones(1, 4))
+    assert unweighted.item() == core.ppo_clip_loss(logp_new, logp_trainer, adv, mask, 0.2)[0].item()
+
+
 def test_value_loss_clipping():
     old = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
     returns = torch.tensor([[1.0, 1.0, -1.0, 0.0]])

@@ -66,7 +66,7 @@ def test_first_update_sees_ratio_one_and_metrics_are_complete():
     assert metrics["lag/engine_logp_gap"] < 1e-5  # the decode loop's log-probs are the trainer's
     expected = {name for name in METRIC_NAMES if not name.startswith(("eval/", "ptx/", "reward/rm_score_used",
                                                                        "reward/eos_penalty", "reward/norm",
-                                                                       "reward/clip", "perf/allreduce_mb",
+                                                                       "reward/clip", "perf/allreduce_mb", "lag/tis_clip_frac",
                                                                        "perf/weight_sync_s"))}
     assert expected <= set(metrics), expected - set(metrics)
     assert all(math.isfinite(v) for v in metrics.values())
@@ -92,6 +92,34 @@ class StaleGenerator:
         self.calls += 1
         age = self.ages.pop(0) if self.ages else 99
         return dataclasses.replace(self.inner.generate(prompts, policy_version), policy_version=policy_version - age)
+
+
+class OffByEngine:
+    """Samples like the trainer but reports log-probs shifted by ``shift``, as a mismatched engine would."""
+
+    def __init__(self, inner, shift):
+        self.inner, self.shift = inner, shift
+
+    def generate(self, prompts, policy_version):
+        rollout = self.inner.generate(prompts, policy_version)
+        self.true_logp = rollout.logp_old.clone()
+        return dataclasses.replace(rollout, logp_old=rollout.logp_old - self.shift)
+
+
+def test_truncated_importance_sampling_corrects_an_engine_gap():
+    """ppo.tis_cap: the ratio is taken against the trainer's own log-probs (exactly 1 before the update), the
+    gap is reported, and tokens are weighted by min(p_trainer / p_engine, cap) = min(e^0.5, 1.5) = 1.5."""
+    metrics = {}
+    for cap in (None, 1.5):
+        trainer = toy_trainer("ppo.ppo_epochs=1", "ppo.minibatch_size=8", *([f"ppo.tis_cap={cap}"] if cap else []))
+        trainer.generator = OffByEngine(trainer.generator, shift=0.5)
+        metrics[cap] = trainer.step()
+    assert metrics[None]["lag/engine_logp_gap"] == pytest.approx(0.5, abs=1e-4)
+    assert metrics[None]["policy/ratio_mean"] == pytest.approx(math.exp(0.5), rel=1e-3)  # off-policy ratio
+    assert metrics[1.5]["lag/engine_logp_gap"] == pytest.approx(0.5, abs=1e-4)  # still the engine's gap
+    assert metrics[1.5]["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # against the trainer's log-probs
+    assert metrics[1.5]["lag/tis_clip_frac"] == 1.0  # every weight e^0.5 > 1.5 is capped
+    assert "lag/tis_clip_frac" not in metrics[None]
 
 
 def test_stale_rollouts_are_refused_and_regenerated():

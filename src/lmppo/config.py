@@ -127,6 +127,10 @@ class PPOConfig(Section):
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
     whiten_advantages: bool = True
+    tis_cap: float | None = Field(
+        None, gt=1, description="truncated importance sampling of the engine's samples: the PPO ratio is taken "
+                                "against the trainer's own log-probs (one more policy pass per step) and each "
+                                "token's surrogate is weighted by min(p_trainer / p_engine, tis_cap); null = off")
     target_approx_kl: float | None = Field(None, gt=0, description="stop the epochs when approx KL exceeds it")
     max_grad_norm: float | None = Field(1.0, gt=0)
     lr: float = Field(1e-5, gt=0)

@@ -243,10 +243,13 @@ def ppo_clip_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     clip_eps: float,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped surrogate ``-mean_t min(r_t A_t, clip(r_t, 1-eps, 1+eps) A_t)`` over the mask.
+    """Clipped surrogate ``-mean_t w_t min(r_t A_t, clip(r_t, 1-eps, 1+eps) A_t)`` over the mask.
 
-    ``r_t = exp(logp_new - logp_old)`` is formed in log space. All inputs (B, L).
+    ``r_t = exp(logp_new - logp_old)`` is formed in log space. All inputs (B, L). ``token_weights``
+    ``w_t`` (default 1) are constants, e.g. truncated importance weights for samples drawn by another
+    engine than the one ``logp_old`` comes from (:func:`truncated_importance_weights`).
     Returns ``(loss, clip_frac)``: token-level mean loss (scalar, differentiable) and the fraction of
     masked tokens whose ratio left ``[1-eps, 1+eps]`` (scalar, detached).
     """
@@ -255,9 +258,25 @@ def ppo_clip_loss(
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    loss = masked_mean(-torch.min(unclipped, clipped), response_mask)
+    surrogate = -torch.min(unclipped, clipped)
+    if token_weights is not None:
+        surrogate = surrogate * token_weights.detach()
+    loss = masked_mean(surrogate, response_mask)
     clip_frac = masked_mean(((ratio - 1.0).abs() > clip_eps).float(), response_mask)
     return loss, clip_frac.detach()
+
+
+def truncated_importance_weights(
+    logp_target: torch.Tensor, logp_behaviour: torch.Tensor, response_mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """``min(exp(logp_target - logp_behaviour), cap)`` per token (B, L), 0 off the mask.
+
+    Truncated importance sampling (TIS): the tokens were drawn by a behaviour policy (an inference
+    engine) whose probabilities differ slightly from the target's (the trainer's forward of the same
+    weights); the weight corrects the surrogate's expectation, and the cap bounds its variance.
+    """
+    log_w = torch.where(response_mask.bool(), logp_target.float() - logp_behaviour.float(), float("-inf"))
+    return torch.exp(log_w).clamp(max=cap)
 
 
 def value_loss(

@@ -65,6 +65,7 @@ METRIC_NAMES: dict[str, str] = {
     "perf/rollout_s": "seconds spent generating",
     "perf/score_s": "seconds spent scoring (reward model, reference and value forward passes)",
     "perf/weight_sync_s": "seconds pushing the updated policy into the rollout engine (engine=vllm only)",
+    "lag/tis_clip_frac": "ppo.tis_cap: share of response tokens whose importance weight hit the cap",
     "lag/engine_logp_gap": "mean |logp_old - trainer log-prob| per response token before the step's first update",
     "perf/reward_s": "of perf/score_s: seconds in the reward (model or function) and its preprocessing",
     "perf/reference_s": "of perf/score_s: seconds in the reference model's forward passes",

@@ -334,6 +334,7 @@ class PPOTrainer:
         clock = time.perf_counter()
         values, bootstrap_value = value_predictions(self.value_model, rollout, micro_batch_size=forward_batch)
         seconds["perf/values_s"] = time.perf_counter() - clock
+        tis_stats = self._truncated_importance_sampling(rollout) if cfg.ppo.tis_cap else {}
 
         # A truncated row either ends the episode (scored, nothing after it) or is unfinished (its future,
         # score included, is V(s_after)): never both, or truncation would be paid twice.
@@ -366,6 +367,7 @@ class PPOTrainer:
         stats = {key: core.masked_mean(value[None], every_row, group).item() for key, value in per_row.items()}
         stats.update(transform_stats)
         stats.update(seconds)
+        stats.update(tis_stats)
         stats.update({
             "adv/mean": adv_mean.item(),
             "adv/std": adv_std.item(),
@@ -376,6 +378,18 @@ class PPOTrainer:
                 group).item(),
         })
         return stats
+
+    def _truncated_importance_sampling(self, rollout: Rollout) -> dict[str, float]:
+        """``ppo.tis_cap``: take the PPO ratio against the trainer's own log-probs of the samples and weight
+        each token by ``min(p_trainer / p_engine, cap)`` (``extras["tis_weights"]``). The engine's
+        log-probs move to ``extras["logp_engine"]``."""
+        mask = rollout.response_mask
+        logp_trainer = reference_logprobs(self.policy, rollout, micro_batch_size=self.cfg.rollout.forward_batch_size)
+        weights = core.truncated_importance_weights(logp_trainer, rollout.logp_old, mask, self.cfg.ppo.tis_cap)
+        rollout.extras.update(logp_engine=rollout.logp_old, tis_weights=weights)
+        rollout.logp_old = logp_trainer
+        return {"lag/tis_clip_frac": core.masked_mean((weights >= self.cfg.ppo.tis_cap).float(), mask,
+                                                      self.group).item()}
 
     def update(self, rollout: Rollout) -> dict[str, float]:
         """``ppo_epochs`` passes of clipped-surrogate updates; stops early when approx KL is too high."""
@@ -456,7 +470,8 @@ class PPOTrainer:
         mask, extras = micro.response_mask, micro.extras
         logits, values = self.train_module(micro)
         logp_new = core.token_logprobs(logits, micro.response_ids)
-        policy_loss, clip_frac = core.ppo_clip_loss(logp_new, micro.logp_old, extras["advantages"], mask, ppo.clip_eps)
+        policy_loss, clip_frac = core.ppo_clip_loss(logp_new, micro.logp_old, extras["advantages"], mask, ppo.clip_eps,
+                                                    token_weights=extras.get("tis_weights"))
         v_loss, v_clip_frac = core.value_loss(values, extras["values"], extras["returns"], mask, ppo.value_clip_eps)
         if ppo.ent_coef > 0:
             entropy = core.masked_entropy(logits, mask)
@@ -470,7 +485,8 @@ class PPOTrainer:
                 "policy/loss": policy_loss.item(),
                 "policy/clip_frac": clip_frac.item(),
                 "policy/approx_kl": core.approx_kl(logp_new, micro.logp_old, mask).item(),
-                "lag/engine_logp_gap": core.masked_mean((logp_new - micro.logp_old).abs(), mask).item(),
+                "lag/engine_logp_gap": core.masked_mean(
+                    (logp_new - extras.get("logp_engine", micro.logp_old)).abs(), mask).item(),
                 "policy/entropy": entropy.item(),
                 "policy/ratio_mean": core.masked_mean(ratio, mask).item(),
                 "policy/ratio_sq": core.masked_mean(ratio**2, mask).item(),
