@@ -13,10 +13,20 @@ ROOT = Path(__file__).resolve().parents[1]
 JUDGE = "examples/smollm2/judge.py"
 
 
+def _strings(tree):
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _strings(value)
+    elif isinstance(tree, str):
+        yield tree
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").rglob("*.yaml")), ids=lambda p: p.name)
-def test_example_configs_validate(path):
+def test_example_configs_validate_and_name_files_that_ship(path):
     schema = SupervisedConfig if "model" in yaml.safe_load(path.read_text()) else Config
-    load_config(path, schema=schema)
+    cfg = load_config(path, schema=schema)  # raises on a typo or a bad value
+    shipped = [v.split(":")[0] for v in _strings(cfg.model_dump()) if v.startswith("examples/")]
+    assert all((ROOT / v).exists() for v in shipped), shipped  # prompts, judges: committed, not generated
 
 
 @pytest.fixture
