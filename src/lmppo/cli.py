@@ -88,7 +88,8 @@ def sft(
 
     cfg = _supervised_config(config, overrides)
     stats = run_sft(cfg)
-    console.print(f"SFT: {stats['steps']} steps, final loss {stats['loss'][-1]:.4f}; saved to {cfg.output_dir}")
+    console.print(f"SFT: {stats['steps']} steps, final loss {stats['loss'][-1]:.4f}, "
+                  f"{stats['trained_parameters']:,} parameters trained; saved to {cfg.output_dir}")
 
 
 @app.command("train-rm")
@@ -102,7 +103,8 @@ def train_rm(
     cfg = _supervised_config(config, overrides)
     stats = run_train_rm(cfg)
     accuracy = f", held-out accuracy {stats['eval']['accuracy']:.3f}" if "eval" in stats else ""
-    console.print(f"reward model saved to {cfg.output_dir}{accuracy}")
+    console.print(f"reward model ({stats['trained_parameters']:,} parameters trained) saved to {cfg.output_dir}"
+                  f"{accuracy}")
 
 
 @app.command("eval")

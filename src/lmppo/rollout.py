@@ -250,7 +250,9 @@ def value_predictions(
 
 
 class Generator(Protocol):
-    """Anything that turns prompts into a :class:`Rollout` (transformers here; a vLLM engine later)."""
+    """Anything that turns prompts into a :class:`Rollout`: :class:`HFGenerator`, or
+    :class:`lmppo.vllm_engine.VLLMGenerator`. An engine that samples from its own copy of the weights also
+    has ``sync_weights(policy, policy_version)``, which the trainer calls after every policy update."""
 
     def generate(self, prompts: Sequence[Prompt], policy_version: int) -> Rollout: ...
 

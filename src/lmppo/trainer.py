@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,6 +140,16 @@ def length_sorted_micro_batches(minibatch: Rollout, size: int) -> Iterator[Rollo
         yield trim_padding(minibatch.select(order[start : start + size]))
 
 
+@contextmanager
+def timed(seconds: dict[str, float], key: str) -> Iterator[None]:
+    """Wall seconds of the block, into ``seconds[key]``."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[key] = time.perf_counter() - started
+
+
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (CPU and CUDA); sampling draws from torch's global generator."""
     random.seed(seed)
@@ -243,33 +253,30 @@ class PPOTrainer:
 
     def step(self) -> dict[str, float]:
         cfg = self.cfg
-        started = time.perf_counter()
+        seconds: dict[str, float] = {}
+        with timed(seconds, "perf/step_s"):
+            # 1. Rollout: sample responses with the current policy; refuse data older than allowed.
+            with timed(seconds, "perf/rollout_s"):
+                rollout = self.collect_rollout()
+            lag = self.policy_version - rollout.policy_version
 
-        # 1. Rollout: sample responses with the current policy; refuse data older than allowed.
-        rollout = self.collect_rollout()
-        lag = self.policy_version - rollout.policy_version
-        rollout_s = time.perf_counter() - started
+            # 2-4. Score, stored passes, shaped rewards, GAE, whitening (stored in rollout.extras).
+            with timed(seconds, "perf/score_s"):
+                reward_stats = self.score_and_estimate(rollout)
 
-        # 2-4. Score, stored passes, shaped rewards, GAE, whitening (stored in rollout.extras).
-        scored_at = time.perf_counter()
-        reward_stats = self.score_and_estimate(rollout)
-        score_s = time.perf_counter() - scored_at
+            # 5. PPO epochs over shuffled minibatches; an engine with its own weights gets the new policy.
+            with timed(seconds, "perf/update_s"):
+                update_stats = self.update(rollout)
+            if update_stats["health/nonfinite_updates"] < update_stats["policy/updates"]:
+                self.policy_version += 1  # the policy changed: rollouts sampled before are one version older
+                self.sync_generator(seconds)
 
-        # 5. PPO epochs over shuffled minibatches.
-        update_at = time.perf_counter()
-        update_stats = self.update(rollout)
-        update_s = time.perf_counter() - update_at
-        if update_stats["health/nonfinite_updates"] < update_stats["policy/updates"]:
-            self.policy_version += 1  # the policy changed: rollouts sampled before are one version older
-            update_stats.update(self.sync_generator())
+            # 6. KL controller, fed the global mean per-sequence KL and stepped once per sample.
+            beta = self.kl_controller.value
+            self.kl_controller.update(reward_stats["kl/ref"], n_steps=cfg.rollout.batch_size)
+            self.scheduler.step()
+            self.step_count += 1
 
-        # 6. KL controller, fed the global mean per-sequence KL and stepped once per sample.
-        beta = self.kl_controller.value
-        self.kl_controller.update(reward_stats["kl/ref"], n_steps=cfg.rollout.batch_size)
-        self.scheduler.step()
-        self.step_count += 1
-
-        step_s = time.perf_counter() - started
         n_tokens = reward_stats["response/length"] * cfg.rollout.batch_size
         self.episodes += cfg.rollout.batch_size
         self.tokens += round(n_tokens)
@@ -279,12 +286,9 @@ class PPOTrainer:
             "kl/beta": beta,
             "lag/policy_versions": float(lag),
             "health/nonfinite": reward_stats["health/nonfinite"] + update_stats["health/nonfinite_updates"],
-            "perf/step_s": step_s,
-            "perf/rollout_s": rollout_s,
-            "perf/score_s": score_s,
-            "perf/update_s": update_s,
-            "perf/rollout_tokens_per_s": n_tokens / max(rollout_s, 1e-9),
-            "perf/train_tokens_per_s": n_tokens * update_stats["policy/epochs"] / max(update_s, 1e-9),
+            **seconds,
+            "perf/rollout_tokens_per_s": n_tokens / max(seconds["perf/rollout_s"], 1e-9),
+            "perf/train_tokens_per_s": n_tokens * update_stats["policy/epochs"] / max(seconds["perf/update_s"], 1e-9),
             "perf/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
         if self.allreduce_counter is not None:
@@ -293,14 +297,14 @@ class PPOTrainer:
             metrics.update(self.evaluator())
         return metrics
 
-    def sync_generator(self) -> dict[str, float]:
-        """Give an engine that samples from its own copy of the weights (vLLM) the current policy."""
-        sync = getattr(self.generator, "sync_weights", None)
+    def sync_generator(self, seconds: dict[str, float] | None = None) -> None:
+        """Give an engine that samples from its own copy of the weights (vLLM) the current policy;
+        its time goes to ``seconds["perf/weight_sync_s"]``."""
+        sync = getattr(self.generator, "sync_weights", None)  # optional in the Generator protocol
         if sync is None:  # HFGenerator samples from the trained module itself
-            return {}
-        started = time.perf_counter()
-        sync(self.policy, self.policy_version)
-        return {"perf/weight_sync_s": time.perf_counter() - started}
+            return
+        with timed(seconds if seconds is not None else {}, "perf/weight_sync_s"):
+            sync(self.policy, self.policy_version)
 
     def collect_rollout(self) -> Rollout:
         """Generate for the next prompts; regenerate when the rollout lags more than allowed."""
@@ -323,17 +327,15 @@ class PPOTrainer:
         """
         cfg, group = self.cfg, self.group
         mask = rollout.response_mask
-        clock = time.perf_counter()
-        rm_score_raw = self.models.reward(rollout.prompts, rollout.response_texts).float().to(mask.device)
-        rm_score, transform_stats = self.score_transform(rm_score_raw, rollout.terminated, group)
         forward_batch = cfg.rollout.forward_batch_size
-        seconds = {"perf/reward_s": time.perf_counter() - clock}
-        clock = time.perf_counter()
-        logp_ref = reference_logprobs(self.reference, rollout, micro_batch_size=forward_batch)
-        seconds["perf/reference_s"] = time.perf_counter() - clock
-        clock = time.perf_counter()
-        values, bootstrap_value = value_predictions(self.value_model, rollout, micro_batch_size=forward_batch)
-        seconds["perf/values_s"] = time.perf_counter() - clock
+        seconds: dict[str, float] = {}
+        with timed(seconds, "perf/reward_s"):
+            rm_score_raw = self.models.reward(rollout.prompts, rollout.response_texts).float().to(mask.device)
+            rm_score, transform_stats = self.score_transform(rm_score_raw, rollout.terminated, group)
+        with timed(seconds, "perf/reference_s"):
+            logp_ref = reference_logprobs(self.reference, rollout, micro_batch_size=forward_batch)
+        with timed(seconds, "perf/values_s"):
+            values, bootstrap_value = value_predictions(self.value_model, rollout, micro_batch_size=forward_batch)
         tis_stats = self._truncated_importance_sampling(rollout) if cfg.ppo.tis_cap else {}
 
         # A truncated row either ends the episode (scored, nothing after it) or is unfinished (its future,
@@ -405,7 +407,7 @@ class PPOTrainer:
                 ratio_max = max(ratio_max, stats.pop("policy/ratio_max"))
                 logp_gap = stats.pop("lag/engine_logp_gap")
                 if n_updates == 0:  # before any update: the sampler's log-probs vs the trainer's, same weights
-                    totals["lag/engine_logp_gap"] = logp_gap
+                    engine_logp_gap = logp_gap
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
                 epoch_kl += stats["policy/approx_kl"]
@@ -414,7 +416,7 @@ class PPOTrainer:
             if ppo.target_approx_kl is not None and epoch_kl / epoch_updates > ppo.target_approx_kl:
                 break  # approx KL is a global token mean, the same on every rank: all stop together
         metrics = {key: value / n_updates for key, value in totals.items()}
-        metrics["lag/engine_logp_gap"] = totals["lag/engine_logp_gap"]
+        metrics["lag/engine_logp_gap"] = engine_logp_gap
         ratio_var = metrics.pop("policy/ratio_sq") - metrics["policy/ratio_mean"] ** 2
         metrics["policy/ratio_std"] = math.sqrt(max(ratio_var, 0.0))
         metrics["policy/ratio_max"] = ratio_max
