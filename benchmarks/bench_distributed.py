@@ -100,7 +100,7 @@ def batch_size(config: Path) -> int:
 def trainable_parameters(config: Path) -> int:
     """Policy + separate critic parameters the quickstart trains (what DDP all-reduces)."""
     from lmppo.config import load_config
-    from lmppo.trainer import load_models
+    from lmppo.build import load_models
 
     models = load_models(load_config(config), torch.device("cpu"))
     params = {id(p): p for m in (models.policy, models.value) for p in m.parameters() if p.requires_grad}

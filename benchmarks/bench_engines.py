@@ -26,7 +26,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch
 
 from lmppo.config import load_config
-from lmppo.trainer import PPOTrainer, build_generator, load_models, seed_everything
+from lmppo.build import build_generator, load_models
+from lmppo.distributed import seed_everything
+from lmppo.trainer import PPOTrainer
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -113,7 +115,7 @@ def measure(name: str, model_dir: Path, args) -> dict:
             "weight_sync_s": round(statistics.median(sync_s), 3) if sync_s else None,
             "step_s": round(statistics.median(m["perf/step_s"] for m in steps), 3),
             "rollout_s": round(statistics.median(m["perf/rollout_s"] for m in steps), 3),
-            "engine_logp_gap": max(m["lag/engine_logp_gap"] for m in steps),
+            "engine_logp_gap": max(m["engine/logp_gap"] for m in steps),
         }
         del trainer, generator, models
         gc.collect()

@@ -155,6 +155,8 @@ def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], lis
     import torch
 
     from lmppo import trainer as trainer_module
+    from lmppo.build import load_models
+    from lmppo.distributed import seed_everything
     from lmppo.config import load_config
     from lmppo.data import load_prompts
 
@@ -169,8 +171,8 @@ def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], lis
         "kl": {"beta": MATCHED["kl_coef"], "estimator": "k1"},
         "run": {"seed": MATCHED["seed"], "device": "cpu", "steps": args.warmup + args.steps},
     }, VARIANTS.get(args.worker, {})))
-    trainer_module.seed_everything(cfg.run.seed)
-    models = trainer_module.load_models(cfg, torch.device("cpu"))
+    seed_everything(cfg.run.seed)
+    models = load_models(cfg, torch.device("cpu"))
     trainer = trainer_module.PPOTrainer(cfg, models, load_prompts(cfg.data.prompts))
 
     prompt_lengths: list[int] = []
@@ -182,7 +184,7 @@ def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], lis
         return rollout
 
     trainer.generator.generate = clock.wrap("generation", generate_and_count)
-    trainer_module.reference_logprobs = clock.wrap("logprobs", trainer_module.reference_logprobs)
+    trainer_module.sequence_logprobs = clock.wrap("logprobs", trainer_module.sequence_logprobs)
     trainer_module.value_predictions = clock.wrap("values", trainer_module.value_predictions)
     # the variant rows (LoRA reference, shared trunk) go through these same functions
     trainer.models.reward = clock.wrap("scoring", trainer.models.reward)

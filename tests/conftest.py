@@ -1,110 +1,26 @@
-"""Shared fixtures: tiny word-level tokenizers with chat templates and tiny Llama models, built locally.
-
-Nothing is downloaded. Models are 2-layer Llamas with hidden size 32, so a forward pass takes milliseconds.
-"""
+"""Fixtures over the builders in ``helpers.py``: tokenizers, tiny Llamas, and a saved run to start."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    LlamaForSequenceClassification,
-    PreTrainedTokenizerFast,
+import yaml
+from helpers import (
+    COUNT_GOOD,
+    POLICY_SPECIALS,
+    POLICY_TEMPLATE,
+    PROMPTS,
+    REWARD_SPECIALS,
+    REWARD_TEMPLATE,
+    WORDS,
+    boost_token,
+    build_tokenizer,
+    llama_config,
+    toy_models,
 )
-
-WORDS = [
-    "good",
-    "bad",
-    "fine",
-    "nice",
-    "cat",
-    "dog",
-    "sun",
-    "rain",
-    "tree",
-    "bird",
-    "a",
-    "the",
-    "is",
-    "very",
-    "happy",
-    "sad",
-    "tell",
-    "me",
-    "about",
-    "write",
-    "short",
-    "story",
-    "poem",
-    "day",
-    "night",
-    "red",
-    "blue",
-    "one",
-    "two",
-    "three",
-    "and",
-    "or",
-    "not",
-    "it",
-    "was",
-]
-POLICY_SPECIALS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>", "<unk>"]
-# Turns end with EOS, as in ChatML-style templates (so with pad == EOS the prompt holds pad-id tokens).
-POLICY_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{{ '<|user|>' if m['role'] == 'user' else '<|assistant|>' }} {{ m['content'] }} {{ eos_token }} "
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-# The reward model's own, different special tokens and template.
-REWARD_SPECIALS = ["[PAD]", "[EOS]", "[Q]", "[A]", "<unk>"]
-REWARD_TEMPLATE = "{% for m in messages %}{{ '[Q]' if m['role'] == 'user' else '[A]' }} {{ m['content'] }} {% endfor %}{{ eos_token }}"
-
-
-def build_tokenizer(
-    specials: list[str],
-    words: list[str],
-    *,
-    pad: str,
-    eos: str,
-    bos: str | None = None,
-    chat_template: str | None = None,
-) -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer: ids are ``specials + words`` in order."""
-    vocab = {token: i for i, token in enumerate(specials + words)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    extra = [t for t in specials if t not in {pad, eos, bos, "<unk>"}]
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token=pad,
-        eos_token=eos,
-        bos_token=bos,
-        unk_token="<unk>",
-        extra_special_tokens=extra,
-    )
-    tokenizer.chat_template = chat_template
-    return tokenizer
-
-
-def llama_config(tokenizer, **overrides) -> LlamaConfig:
-    settings = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-        "pad_token_id": tokenizer.pad_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "tie_word_embeddings": False,
-    }
-    return LlamaConfig(**{**settings, **overrides})
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
 
 @pytest.fixture
@@ -164,18 +80,28 @@ def reward_tokenizer():
     )
 
 
-def boost_token(model: LlamaForCausalLM, token_id: int, logit: float) -> LlamaForCausalLM:
-    """Add ``logit`` to one vocabulary entry's logit everywhere (a biased output layer)."""
-    head = model.lm_head
-    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
-    biased.weight.data.copy_(head.weight.data)
-    biased.bias.data.zero_()
-    biased.bias.data[token_id] = logit
-    model.lm_head = biased
-    return model
-
-
 @pytest.fixture
 def boosted():
     """``boost_token`` as a fixture, for tests that need a model that (almost) always stops early."""
     return boost_token
+
+
+@pytest.fixture
+def run_files(tmp_path):
+    """A policy directory, a prompt file and a config for a 2-step run."""
+    models = toy_models()
+    models.policy.save_pretrained(tmp_path / "policy")
+    models.tokenizer.save_pretrained(tmp_path / "policy")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 2))
+    config = {
+        "models": {"policy": {"path": str(tmp_path / "policy")}, "value": {"init_from": "policy"}},
+        "reward": {"function": COUNT_GOOD},
+        "data": {"prompts": str(tmp_path / "prompts.jsonl")},
+        "rollout": {"batch_size": 4, "max_new_tokens": 6},
+        "ppo": {"minibatch_size": 2, "ppo_epochs": 2, "lr": 1e-3},
+        "run": {"output_dir": str(tmp_path / "run"), "steps": 2, "seed": 1},
+        "logging": {"quiet": True},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path

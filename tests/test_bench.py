@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_trainer import run_files  # noqa: F401  (fixture)
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ppo.py"
 FIGURES = {"seconds_per_step", "tokens_per_second", "generation_tokens_per_second", "phase_seconds",
@@ -36,7 +35,7 @@ BENCH_DISTRIBUTED = BENCH.parent / "bench_distributed.py"
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_bench_distributed_runs_one_and_two_processes(run_files, tmp_path):  # noqa: F811
+def test_bench_distributed_runs_one_and_two_processes(run_files, tmp_path):
     done = subprocess.run(
         [sys.executable, str(BENCH_DISTRIBUTED), "--config", str(run_files), "--procs", "1,2", "--steps", "2",
          "--warmup", "0", "--repeats", "1", "--work-dir", str(tmp_path / "bench")],

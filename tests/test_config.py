@@ -8,7 +8,7 @@ from lmppo.errors import LmppoError
 
 BASE = {
     "models": {"policy": {"path": "policy_dir"}},
-    "reward": {"function": "lmppo.scoring:count_good"},
+    "reward": {"function": "my_rewards:score"},
     "data": {"prompts": "prompts.jsonl"},
 }
 

@@ -13,15 +13,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
-from test_resume import comparable, write_config
-from test_trainer import run_cli, run_files, toy_models, toy_trainer  # noqa: F401  (run_files is a fixture)
+from helpers import comparable, run_cli, toy_models, toy_trainer, write_config
 
 from lmppo.checkpoint import latest_checkpoint, load_checkpoint
-from lmppo.distributed import check_world_size
+from lmppo.distributed import check_world_size, seed_everything
 from lmppo.errors import LmppoError
 from lmppo.metrics import read_metrics, reduce_metrics
 from lmppo.rollout import HFGenerator
-from lmppo.trainer import seed_everything
 
 BATCH = 8
 # one minibatch of the whole batch (every rank's rows), two epochs, micro-batches of 4 rows (2 per rank)
@@ -29,7 +27,7 @@ STEP_OVERRIDES = ("rollout.max_new_tokens=8", f"rollout.batch_size={BATCH}", f"p
                   "ppo.micro_batch_size=4", "ppo.ppo_epochs=2", "ppo.lr=1e-2", "ppo.adam_eps=1e-5")
 GLOBAL_METRICS = ("policy/loss", "value/loss", "policy/approx_kl", "policy/entropy", "policy/clip_frac",
                   "policy/ratio_mean", "adv/mean", "adv/std", "value/explained_var", "kl/ref", "reward/rm_score",
-                  "response/length", "health/grad_norm", "value/grad_norm")
+                  "response/length", "policy/grad_norm", "value/grad_norm")
 
 
 class FixedRollouts:
@@ -141,7 +139,7 @@ def torchrun(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_torchrun_two_ranks_log_once_checkpoint_every_rank_and_resume_exactly(run_files, capsys):  # noqa: F811
+def test_torchrun_two_ranks_log_once_checkpoint_every_rank_and_resume_exactly(run_files, capsys):
     straight = write_config(run_files, run={"steps": 4, "output_dir": str(run_files.parent / "straight")})
     done = torchrun(str(straight))
     assert done.returncode == 0, done.stderr[-4000:]

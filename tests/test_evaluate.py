@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 from rich.console import Console
-from test_trainer import run_cli, run_files  # noqa: F401  (run_files is a fixture)
+from helpers import run_cli
 
 from lmppo.errors import LmppoError
 from lmppo.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table, win_rate
@@ -30,7 +30,7 @@ def says_good(prompt, response) -> float:
 
 
 def evaluate(policy, tokenizer, **overrides) -> EvalResult:
-    settings = {"reward_fn": word_count, "max_new_tokens": 6, "batch_size": 5, "seed": 0}
+    settings = {"reward_fn": word_count, "generator_options": {"max_new_tokens": 6}, "batch_size": 5, "seed": 0}
     return evaluate_policy(policy, tokenizer, PROMPTS, **{**settings, **overrides})
 
 
@@ -49,36 +49,36 @@ def test_metrics_rows_and_slices(policy_model, policy_tokenizer):
         demonstrations=DEMOS, slice_fn=lambda prompt: prompt.split()[0],
     )  # fmt: skip
     expected = {
-        "eval/rm_score",
+        "eval/reward/rm_score",
         "eval/gold_score",
-        "eval/kl_ref",
+        "eval/kl/ref",
         "eval/demo_ppl",
-        "eval/length",
-        "eval/eos_frac",
+        "eval/response/length",
+        "eval/response/eos_frac",
     }
     assert set(result.metrics) == expected
     assert all(math.isfinite(v) for v in result.metrics.values())
     assert result.metrics["eval/demo_ppl"] > 1.0
-    assert 0.0 <= result.metrics["eval/eos_frac"] <= 1.0
-    assert 1.0 <= result.metrics["eval/length"] <= 6.0
+    assert 0.0 <= result.metrics["eval/response/eos_frac"] <= 1.0
+    assert 1.0 <= result.metrics["eval/response/length"] <= 6.0
 
     assert [row["prompt"] for row in result.rows] == PROMPTS
     for row in result.rows:
         assert row["rm_score"] == len(row["response"].split())
         assert row["gold_score"] == says_good(row["prompt"], row["response"])
-    assert result.metrics["eval/rm_score"] == pytest.approx(
+    assert result.metrics["eval/reward/rm_score"] == pytest.approx(
         sum(r["rm_score"] for r in result.rows) / len(PROMPTS)
     )
 
     assert set(result.slices) == {"tell", "write"}
     assert sum(s["n"] for s in result.slices.values()) == len(PROMPTS)
     tell = [r["length"] for r in result.rows if r["slice"] == "tell"]
-    assert result.slices["tell"]["eval/length"] == pytest.approx(sum(tell) / len(tell))
+    assert result.slices["tell"]["eval/response/length"] == pytest.approx(sum(tell) / len(tell))
 
 
 def test_optional_inputs_leave_their_metrics_out(policy_model, policy_tokenizer):
     result = evaluate(policy_model, policy_tokenizer)
-    assert set(result.metrics) == {"eval/rm_score", "eval/length", "eval/eos_frac"}
+    assert set(result.metrics) == {"eval/reward/rm_score", "eval/response/length", "eval/response/eos_frac"}
     assert result.slices == {}
     assert "gold_score" not in result.rows[0] and "kl_ref" not in result.rows[0]
 
@@ -87,9 +87,9 @@ def test_kl_to_reference_is_zero_for_the_reference_and_positive_after_a_change(
     policy_model, policy_tokenizer
 ):
     same = evaluate(policy_model, policy_tokenizer, reference=copy.deepcopy(policy_model))
-    assert same.metrics["eval/kl_ref"] == 0.0
+    assert same.metrics["eval/kl/ref"] == 0.0
     moved = evaluate(perturbed(policy_model), policy_tokenizer, reference=policy_model)
-    assert moved.metrics["eval/kl_ref"] > 0.5
+    assert moved.metrics["eval/kl/ref"] > 0.5
 
 
 def test_same_seed_same_responses_and_training_rng_untouched(policy_model, policy_tokenizer):
@@ -105,7 +105,7 @@ def test_same_seed_same_responses_and_training_rng_untouched(policy_model, polic
 
 def test_no_prompts_is_a_user_error(policy_model, policy_tokenizer):
     with pytest.raises(LmppoError, match="no held-out prompts"):
-        evaluate_policy(policy_model, policy_tokenizer, [], reward_fn=word_count, max_new_tokens=4)
+        evaluate_policy(policy_model, policy_tokenizer, [], reward_fn=word_count, generator_options={"max_new_tokens": 4})
 
 
 def test_win_rate_counts_ties_half():
@@ -118,7 +118,7 @@ def test_win_rate_counts_ties_half():
 
 def fake_result(gold: list[float] | None, prompts=("a", "b", "c"), rm: float = 1.0) -> EvalResult:
     rows = [{"prompt": p, "response": "x", "rm_score": rm} for p in prompts]
-    metrics = {"eval/rm_score": rm, "eval/length": 3.0}
+    metrics = {"eval/reward/rm_score": rm, "eval/response/length": 3.0}
     if gold is not None:
         for row, g in zip(rows, gold):
             row["gold_score"] = g
@@ -133,7 +133,7 @@ def test_compare_policies_win_rate_against_the_first_under_gold():
     assert summary["baseline"] == "sft" and summary["judge"] == "gold"
     assert summary["policies"]["ppo"]["eval/win_rate"] == pytest.approx(0.5)
     assert "eval/win_rate" not in summary["policies"]["sft"]
-    assert summary["policies"]["ppo"]["eval/rm_score"] == 5.0
+    assert summary["policies"]["ppo"]["eval/reward/rm_score"] == 5.0
 
     text = io.StringIO()
     Console(file=text, width=200).print(summary_table(summary))
@@ -151,7 +151,7 @@ def test_compare_policies_falls_back_to_the_reward_model_and_checks_prompts():
         compare_policies({"sft": fake_result(None), "ppo": fake_result(None, prompts=("a", "b", "z"))})
 
 
-def test_lmppo_eval_judges_start_and_final_policy_with_the_configured_judge(run_files, tmp_path):  # noqa: F811
+def test_lmppo_eval_judges_start_and_final_policy_with_the_configured_judge(run_files, tmp_path):
     (tmp_path / "judge.py").write_text("def brief(prompt, response):\n    return float(len(response.split()) <= 3)\n")
     config = yaml.safe_load(run_files.read_text())
     config["data"].update(eval_prompts=config["data"]["prompts"], eval_judge=f"{tmp_path / 'judge.py'}:brief")

@@ -109,8 +109,8 @@ def test_reward_rising_with_held_out_improvement_is_quiet():
 
 def test_held_out_rm_score_is_used_without_a_gold_judge():
     guards = Guards(_cfg(reward_without_eval_patience=1))
-    assert guards.check(1, _eval_step(0.1, 0.3, key="eval/rm_score")) is None
-    assert guards.check(2, _eval_step(0.5, 0.2, key="eval/rm_score")).rule == "reward_without_eval"
+    assert guards.check(1, _eval_step(0.1, 0.3, key="eval/reward/rm_score")) is None
+    assert guards.check(2, _eval_step(0.5, 0.2, key="eval/reward/rm_score")).rule == "reward_without_eval"
 
 
 def test_state_round_trips_through_json():

@@ -10,6 +10,7 @@ import pytest
 import torch
 from peft import PeftModel
 
+from lmppo.config import ModelSource, validate_config
 from lmppo.errors import LmppoError
 from lmppo.models import (
     LoraReference,
@@ -25,7 +26,7 @@ from lmppo.models import (
     resolve_source,
     trainable_parameters,
 )
-from lmppo.rollout import HFGenerator, reference_logprobs
+from lmppo.rollout import HFGenerator, sequence_logprobs
 
 INPUT_IDS = torch.tensor([[1, 3, 7, 9, 12, 4, 20], [1, 3, 8, 8, 30, 4, 22]])
 
@@ -47,7 +48,7 @@ def test_load_from_directory_with_dtype_and_identity(saved_policy, policy_model,
     tokenizer = load_tokenizer(saved_policy)
     torch.testing.assert_close(logits(model), logits(policy_model))
     assert tokenizer.chat_template == policy_tokenizer.chat_template
-    assert load_causal_lm(saved_policy, dtype="bfloat16").dtype == torch.bfloat16
+    assert load_causal_lm(ModelSource(path=str(saved_policy), dtype="bfloat16")).dtype == torch.bfloat16
 
     source = resolve_source(saved_policy)
     identity = model_identity("policy", model, source=source, tokenizer=tokenizer)
@@ -85,8 +86,8 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(LmppoError, match="cannot load a causal LM"):
         load_causal_lm(tmp_path / "empty")
-    with pytest.raises(LmppoError, match="unknown dtype"):
-        load_causal_lm(tmp_path / "empty", dtype="float8")
+    with pytest.raises(LmppoError, match="dtype"):  # the model section checks the name
+        validate_config({"path": str(tmp_path / "empty"), "dtype": "float8"}, schema=ModelSource)
 
 
 def test_gguf_file_without_tokenizer_is_a_clear_error(tmp_path):
@@ -106,7 +107,7 @@ def test_gguf_file_without_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(LmppoError, match="no usable tokenizer"):
         load_tokenizer(path)
     with pytest.raises(LmppoError, match="not found"):
-        load_tokenizer(tmp_path, gguf_file="other.gguf")
+        load_tokenizer(ModelSource(path=str(tmp_path), gguf_file="other.gguf"))
 
 
 def test_reward_model_loads_frozen_and_needs_a_score_head(
@@ -156,10 +157,10 @@ def test_lora_reference_is_the_base_and_the_adapter_changes_the_policy_only(poli
 
     rollout = HFGenerator(policy, policy_tokenizer, max_new_tokens=6).generate(["good cat", "tell me"], 0)
     torch.testing.assert_close(
-        reference_logprobs(reference, rollout), reference_logprobs(base_copy, rollout), atol=1e-5, rtol=0
+        sequence_logprobs(reference, rollout), sequence_logprobs(base_copy, rollout), atol=1e-5, rtol=0
     )
     policy.train()
-    reference_logprobs(reference, rollout)
+    sequence_logprobs(reference, rollout)
     assert policy.training  # the reference pass ran in eval mode and restored the policy's flag
 
     trainable = trainable_parameters(policy)

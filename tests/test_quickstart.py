@@ -5,7 +5,7 @@ import re
 
 import pytest
 import yaml
-from test_trainer import run_cli
+from helpers import run_cli
 
 from lmppo.quickstart import run_quickstart
 
@@ -15,8 +15,8 @@ def test_fast_quickstart_improves_gold_score_with_an_accurate_reward_model(tmp_p
     summary = run_quickstart(tmp_path / "qs", fast=True)
     sft, ppo = summary["policies"]["SFT"], summary["policies"]["PPO"]
     assert ppo["eval/gold_score"] > sft["eval/gold_score"] + 0.05, summary
-    assert ppo["eval/win_rate"] > 0.55 and ppo["eval/rm_score"] > sft["eval/rm_score"]
-    assert ppo["eval/kl_ref"] < 10.0  # inside the configured budget
+    assert ppo["eval/win_rate"] > 0.55 and ppo["eval/reward/rm_score"] > sft["eval/reward/rm_score"]
+    assert ppo["eval/kl/ref"] < 10.0  # inside the configured budget
     run_dir = tmp_path / "qs" / "ppo"
     result = json.loads((run_dir / "quickstart.json").read_text())
     assert result["rm_accuracy"] >= 0.75

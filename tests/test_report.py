@@ -7,16 +7,10 @@ from pathlib import Path
 import pytest
 
 from lmppo.errors import LmppoError
-from lmppo.evaluate import EvalResult
+from lmppo.evaluate import EVAL_FILE, EvalResult, write_eval_json
 from lmppo.metrics import MetricsLogger
-from lmppo.report import (
-    CONFIG_FILE,
-    EVAL_FILE,
-    RM_EVAL_FILE,
-    report,
-    write_eval_json,
-    write_rm_eval_json,
-)
+from lmppo.report import CONFIG_FILE, report
+from lmppo.reward_modeling import RM_EVAL_FILE, write_rm_eval_json
 
 STEPS = 6
 
@@ -35,9 +29,9 @@ def write_metrics(run_dir: Path, names: list[str], hacking: bool = False) -> Non
 
 
 ALL_CURVES = [
-    "reward/rm_score", "eval/rm_score", "eval/gold_score", "eval/demo_ppl", "kl/ref", "eval/kl_ref", "kl/beta",
+    "reward/rm_score", "eval/reward/rm_score", "eval/gold_score", "eval/demo_ppl", "kl/ref", "eval/kl/ref", "kl/beta",
     "policy/loss", "policy/clip_frac", "value/clip_frac", "policy/entropy", "policy/approx_kl", "value/loss",
-    "value/explained_var", "response/length", "eval/length", "response/eos_frac", "eval/eos_frac",
+    "value/explained_var", "response/length", "eval/response/length", "response/eos_frac", "eval/response/eos_frac",
 ]  # fmt: skip
 
 
@@ -59,9 +53,9 @@ def eval_result(shift: float) -> EvalResult:
          "rm_score": n + shift, "gold_score": n - shift, "length": n, "eos": True, "slice": "count" if n % 2 else "list"}
         for n in range(3, 13)
     ]  # fmt: skip
-    slices = {s: {"n": 5, "eval/rm_score": shift, "eval/gold_score": -shift} for s in ("count", "list")}
+    slices = {s: {"n": 5, "eval/reward/rm_score": shift, "eval/gold_score": -shift} for s in ("count", "list")}
     return EvalResult(
-        metrics={"eval/rm_score": 7.5 + shift, "eval/gold_score": 7.5 - shift}, rows=rows, slices=slices
+        metrics={"eval/reward/rm_score": 7.5 + shift, "eval/gold_score": 7.5 - shift}, rows=rows, slices=slices
     )
 
 

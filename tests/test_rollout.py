@@ -17,7 +17,7 @@ from lmppo.rollout import (
     HFGenerator,
     Rollout,
     policy_logits_and_values,
-    reference_logprobs,
+    sequence_logprobs,
     response_logits,
     response_mask_from_ids,
     value_predictions,
@@ -235,7 +235,7 @@ def test_dropout_does_not_change_stored_passes(make_policy_tokenizer, make_causa
             expected = teacher_forced_logprobs(model, rollout, b, 1.0)
             model.train()
             torch.testing.assert_close(rollout.logp_old[b, : len(expected)], expected, atol=LOGP_TOL, rtol=0)
-    first, second = reference_logprobs(model, rollout), reference_logprobs(model, rollout)
+    first, second = sequence_logprobs(model, rollout), sequence_logprobs(model, rollout)
     assert torch.equal(first, second) and model.training
     assert torch.equal(value_predictions(value_model, rollout)[0], value_predictions(value_model, rollout)[0])
     assert value_model.training
@@ -266,7 +266,6 @@ def test_checkpoint_generation_config_never_overrides_ours(policy_tokenizer, pol
 def test_top_k_warns_and_stores_untruncated_tempered_logprobs(policy_tokenizer, policy_model):
     with pytest.warns(UserWarning, match="off-policy"):
         rollout = generate(policy_model, policy_tokenizer, temperature=0.8, top_k=3, max_new_tokens=12)
-    assert rollout.sampling_truncated
     with torch.no_grad():
         logits = response_logits(policy_model, rollout)  # tempered by the rollout's temperature
     keep = rollout.response_mask.bool()
@@ -306,8 +305,7 @@ def test_draws_follow_the_tempered_truncated_distribution(policy_tokenizer, poli
 
 
 def test_no_warning_without_truncation(policy_tokenizer, policy_model, recwarn):
-    rollout = generate(policy_model, policy_tokenizer)
-    assert not rollout.sampling_truncated
+    generate(policy_model, policy_tokenizer)
     assert not [w for w in recwarn if "off-policy" in str(w.message)]
 
 
@@ -325,7 +323,7 @@ def test_values_are_read_before_each_token_and_bootstrap_after_the_last(
     assert rollout.terminated.any() and not rollout.terminated.all()
     value_model = ValueModel.from_causal_lm(model)
     torch.nn.init.normal_(value_model.head.weight)
-    values, bootstrap = value_predictions(value_model, rollout, micro_batch_size=3)
+    values, bootstrap = value_predictions(value_model, rollout, forward_batch_size=3)
     assert values.shape == rollout.response_ids.shape and bootstrap.shape == (len(rollout),)
     with torch.no_grad():
         for b in range(len(rollout)):
@@ -339,17 +337,17 @@ def test_values_are_read_before_each_token_and_bootstrap_after_the_last(
             torch.testing.assert_close(bootstrap[b], expected_bootstrap, atol=1e-5, rtol=0)
 
 
-def test_reference_logprobs_micro_batching_and_temperature(policy_tokenizer, policy_model, make_causal_lm):
+def test_sequence_logprobs_micro_batching_and_temperature(policy_tokenizer, policy_model, make_causal_lm):
     rollout = generate(policy_model, policy_tokenizer, temperature=0.7)
     reference = make_causal_lm(policy_tokenizer, seed=5)
-    whole = reference_logprobs(reference, rollout)
-    torch.testing.assert_close(reference_logprobs(reference, rollout, micro_batch_size=3), whole)
+    whole = sequence_logprobs(reference, rollout)
+    torch.testing.assert_close(sequence_logprobs(reference, rollout, forward_batch_size=3), whole)
     for b in range(len(rollout)):
         n = rollout.response_lengths[b]
         torch.testing.assert_close(
             whole[b, :n], teacher_forced_logprobs(reference, rollout, b, 0.7), atol=LOGP_TOL, rtol=0
         )
-    assert not torch.allclose(reference_logprobs(reference, rollout, temperature=1.0), whole)
+    assert not torch.allclose(sequence_logprobs(reference, rollout, temperature=1.0), whole)
 
 
 def test_rollout_tensors_feed_the_update_with_autograd(policy_tokenizer, policy_model):
@@ -357,7 +355,7 @@ def test_rollout_tensors_feed_the_update_with_autograd(policy_tokenizer, policy_
     policy_model.train()
     rollout = generate(policy_model, policy_tokenizer)
     value_model = ValueModel.from_causal_lm(policy_model)
-    logp_ref = reference_logprobs(policy_model, rollout)
+    logp_ref = sequence_logprobs(policy_model, rollout)
     values, bootstrap = value_predictions(value_model, rollout)
     logits = response_logits(policy_model, rollout)
     logp_new = token_logprobs(logits, rollout.response_ids)

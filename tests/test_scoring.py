@@ -12,7 +12,6 @@ from lmppo.rollout import HFGenerator
 from lmppo.scoring import (
     RewardModelScorer,
     ScoreTransform,
-    count_good,
     load_reward_function,
     render_for_reward_model,
 )
@@ -112,11 +111,11 @@ def test_reward_tokenizer_without_template(reward_tokenizer, make_reward_model):
 # --------------------------------------------------------------------------------------------------
 
 
-def test_count_good_through_the_loader():
-    reward = load_reward_function("lmppo.scoring:count_good")
+def test_a_module_function_through_the_loader():
+    reward = load_reward_function("helpers:count_good")  # tests/ is on sys.path: a plain module spec
     scores = reward(["p", "q", "r"], ["good good goods, Good.", "bad", "not good"])
     assert scores.tolist() == [3.0, 0.0, 1.0] and scores.dtype == torch.float32
-    assert count_good([], []) == []
+    assert reward([], []).tolist() == []
 
 
 @pytest.fixture

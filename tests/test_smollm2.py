@@ -23,8 +23,10 @@ from lmppo.models import (
     model_identity,
     resolve_source,
 )
-from lmppo.rollout import HFGenerator, reference_logprobs, response_logits
-from lmppo.trainer import PPOTrainer, load_models, seed_everything
+from lmppo.rollout import HFGenerator, sequence_logprobs, response_logits
+from lmppo.build import load_models
+from lmppo.distributed import seed_everything
+from lmppo.trainer import PPOTrainer
 
 pytestmark = pytest.mark.slow
 
@@ -147,7 +149,7 @@ def test_two_lora_ppo_steps_on_smollm2(smollm2, tmp_path, value_mode):
     trainer.generator.generate = lambda prompts, policy_version: rollouts.append(generate(prompts, policy_version)) or rollouts[-1]
 
     metrics = [trainer.step() for _ in range(2)]
-    logp_ref_after = reference_logprobs(models.reference, rollouts[0])
+    logp_ref_after = sequence_logprobs(models.reference, rollouts[0])
 
     assert all(math.isfinite(v) for m in metrics for v in m.values())
     for rollout in rollouts:

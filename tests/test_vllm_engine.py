@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import POLICY_SPECIALS, POLICY_TEMPLATE, WORDS, build_tokenizer, llama_config
+from helpers import COUNT_GOOD, POLICY_SPECIALS, POLICY_TEMPLATE, WORDS, build_tokenizer, llama_config
 from transformers import LlamaForCausalLM
 
 from lmppo.core import token_logprobs
@@ -113,21 +113,21 @@ def test_engine_rollout_masks_termination_and_logprobs_match_the_trainer(engine)
 
 @pytest.mark.vllm
 def test_a_ppo_step_syncs_the_engine_to_the_new_weights(engine):
-    from test_trainer import toy_trainer
+    from helpers import toy_trainer
 
+    from lmppo.build import PPOModels
     from lmppo.models import ValueModel, make_reference
     from lmppo.scoring import load_reward_function
-    from lmppo.trainer import PPOModels
 
     policy, tokenizer, generator = engine
     models = PPOModels(policy, make_reference(policy), ValueModel.from_causal_lm(policy), tokenizer,
-                       load_reward_function("lmppo.scoring:count_good"))
+                       load_reward_function(COUNT_GOOD))
     sequence = generator.render(PROMPTS[0]) + tokenizer.convert_tokens_to_ids(["the", "cat", "is", "happy"])
     before = generator.sequence_logprobs([sequence])[0]
     trainer = toy_trainer("ppo.lr=1e-2", models=models, generator=generator)
     metrics = trainer.step()
     assert trainer.policy_version == generator.synced_version == 1
-    assert metrics["perf/weight_sync_s"] > 0 and metrics["lag/engine_logp_gap"] < TOLERANCE
+    assert metrics["perf/weight_sync_s"] > 0 and metrics["engine/logp_gap"] < TOLERANCE
     after = generator.sequence_logprobs([sequence])[0]
     with torch.no_grad():
         logits = policy(input_ids=torch.tensor([sequence])).logits[0, :-1].float()
@@ -144,7 +144,7 @@ def test_three_ppo_steps_with_engine_vllm_through_the_cli(tiny_dir, tmp_path):
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 2))
     config = {
         "models": {"policy": {"path": str(tiny_dir)}, "value": {"init_from": "policy"}},
-        "reward": {"function": "lmppo.scoring:count_good"},
+        "reward": {"function": COUNT_GOOD},
         "data": {"prompts": str(tmp_path / "prompts.jsonl")},
         "rollout": {"engine": "vllm", "batch_size": 4, "max_new_tokens": 8},
         "ppo": {"minibatch_size": 2, "ppo_epochs": 2, "lr": 1e-3},
@@ -157,5 +157,5 @@ def test_three_ppo_steps_with_engine_vllm_through_the_cli(tiny_dir, tmp_path):
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["perf/weight_sync_s"] > 0 and r["lag/policy_versions"] == 0 for r in records)
-    assert all(r["lag/engine_logp_gap"] < TOLERANCE for r in records)  # synced before every rollout
+    assert all(r["engine/logp_gap"] < TOLERANCE for r in records)  # synced before every rollout
     assert (tmp_path / "run" / "final" / "config.json").is_file()

@@ -56,7 +56,7 @@ def ppo(
 ) -> None:
     """Train a policy with PPO: `lmppo ppo CONFIG section.key=value ...`."""
     from lmppo.config import load_config
-    from lmppo.trainer import train
+    from lmppo.run import train
 
     overrides = list(overrides or [])
     if config is not None and "=" in str(config):  # `lmppo ppo --resume RUN_DIR a.b=c`

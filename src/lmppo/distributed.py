@@ -1,5 +1,5 @@
-"""torch.distributed plumbing for ``torchrun``: init from its environment, per-rank seeds, DDP wrapping,
-and the few collectives the trainer needs.
+"""torch.distributed plumbing for ``torchrun``: init from its environment, seeding (per rank), DDP
+wrapping, and the few collectives the trainer needs.
 
 A single process (no ``WORLD_SIZE`` in the environment) needs no launcher and no process group: every
 helper here takes ``group=None`` to mean "alone" and then does no communication at all.
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -56,6 +58,13 @@ def distributed_session(device: str) -> Iterator[DistInfo]:
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and CUDA); sampling draws from torch's global generator."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def rank_seed(seed: int, rank: int) -> int:

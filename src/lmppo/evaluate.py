@@ -1,54 +1,63 @@
 """Held-out evaluation of a policy: reward-model and gold scores, KL to the reference, alignment tax.
 
-Responses are *sampled* at the training temperature (and top-k / top-p), not decoded greedily: the
-evaluated artifact is the policy with its decoding, the KL estimate needs samples from the policy
-(a k1 sum over a greedy response is not a KL), and reward hacking shows up in what the sampler
+Responses are *sampled* with the training decoding (:func:`lmppo.build.generator_options`), not decoded
+greedily: the evaluated artifact is the policy with its decoding, the KL estimate needs samples from the
+policy (a k1 sum over a greedy response is not a KL), and reward hacking shows up in what the sampler
 produces. Sampling noise is controlled instead: every evaluation draws from its own generator state
 seeded with ``seed`` (common random numbers, so SFT and PPO face the same noise), inside
 ``torch.random.fork_rng`` so a periodic evaluation during PPO leaves the training RNG stream as it was.
 
-Metrics (DESIGN.md names): ``eval/rm_score``, ``eval/gold_score`` (when a gold judge is given),
-``eval/kl_ref`` (mean per-sequence sum of the k1 estimate, as ``kl/ref``), ``eval/demo_ppl``
-(perplexity of held-out demonstrations: the alignment tax), ``eval/length``, ``eval/eos_frac``, and
-from :func:`compare_policies` ``eval/win_rate`` (against the baseline policy on the same prompts).
+Metrics are the training metrics' names under ``eval/`` (docs/metrics.md): ``eval/reward/rm_score``,
+``eval/kl/ref`` (mean per-sequence sum of the k1 estimate), ``eval/response/length``,
+``eval/response/eos_frac``; and ``eval/gold_score`` (when a gold judge is given), ``eval/demo_ppl``
+(perplexity of held-out demonstrations: the alignment tax) and, from :func:`compare_policies`,
+``eval/win_rate`` (against the baseline policy on the same prompts).
+
+This module owns ``eval.json`` (:func:`write_eval_json`); the report only reads it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from rich.table import Table
 
+from lmppo.build import generator_options, load_reward
+from lmppo.config import load_config
 from lmppo.core import kl_estimate
+from lmppo.data import Prompt, load_prompts
 from lmppo.errors import LmppoError
-from lmppo.models import eval_mode
-from lmppo.rollout import HFGenerator, Prompt, Rollout, reference_logprobs
-from lmppo.scoring import RewardFunction
+from lmppo.models import eval_mode, load_causal_lm, load_tokenizer
+from lmppo.rollout import HFGenerator, Rollout, sequence_logprobs
+from lmppo.scoring import RewardFunction, load_function
 from lmppo.sft import response_nll
 
 GoldJudge = Callable[[Prompt, str], float]  # (prompt, response text) -> score, e.g. lmppo.toy.task.gold_score
+EVAL_FILE = "eval.json"
 
 # Per-row field -> the metric that averages it (overall and per slice).
 ROW_METRICS = {
-    "rm_score": "eval/rm_score",
+    "rm_score": "eval/reward/rm_score",
     "gold_score": "eval/gold_score",
-    "kl_ref": "eval/kl_ref",
-    "length": "eval/length",
-    "eos": "eval/eos_frac",
+    "kl_ref": "eval/kl/ref",
+    "length": "eval/response/length",
+    "eos": "eval/response/eos_frac",
 }
 # (metric, column label) of the comparison table; "{baseline}" and "{judge}" are filled in.
 SUMMARY_COLUMNS = (
-    ("eval/rm_score", "RM score"),
+    ("eval/reward/rm_score", "RM score"),
     ("eval/gold_score", "gold score"),
     ("eval/win_rate", "win rate vs {baseline} ({judge})"),
-    ("eval/kl_ref", "KL to ref"),
+    ("eval/kl/ref", "KL to ref"),
     ("eval/demo_ppl", "demo ppl"),
-    ("eval/length", "length"),
-    ("eval/eos_frac", "EOS rate"),
+    ("eval/response/length", "length"),
+    ("eval/response/eos_frac", "EOS rate"),
 )
 
 
@@ -74,25 +83,21 @@ def evaluate_policy(
     reference=None,
     gold_fn: GoldJudge | None = None,
     demonstrations: Sequence[dict] | None = None,
+    generator_options: Mapping,
     slice_fn: Callable[[Prompt], str] | None = None,
-    max_new_tokens: int,
-    temperature: float = 1.0,
     batch_size: int = 32,
     seed: int = 0,
-    **generator_options,
 ) -> EvalResult:
     """Sample one response per held-out prompt and measure it (see the module docstring).
 
-    ``reference``: the frozen reference for ``eval/kl_ref``; ``gold_fn``: a per-row gold judge;
-    ``demonstrations``: held-out {"prompt", "response"} rows for ``eval/demo_ppl``; ``slice_fn``: a
-    prompt's slice name (e.g. ``lambda p: task_of(p).kind``) for per-slice means. ``generator_options``
-    go to :class:`HFGenerator` (top_k, top_p, stop_token_ids, chat_template, raw_prompts, ...).
+    ``generator_options``: :class:`HFGenerator`'s keywords, as :func:`lmppo.build.generator_options`
+    gives them; ``reference``: the frozen reference for ``eval/kl/ref``; ``gold_fn``: a per-row gold
+    judge; ``demonstrations``: held-out {"prompt", "response"} rows for ``eval/demo_ppl``; ``slice_fn``:
+    a prompt's slice name (e.g. ``lambda p: task_of(p).kind``) for per-slice means.
     """
     if not prompts:
         raise LmppoError("evaluation: no held-out prompts; check data.eval_prompts")
-    generator = HFGenerator(
-        policy, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, **generator_options
-    )
+    generator = HFGenerator(policy, tokenizer, **generator_options)
     rows = []
     with _seeded_rng(seed, policy):
         for start in range(0, len(prompts), batch_size):
@@ -143,8 +148,8 @@ def _sequence_kl(policy, reference, rollout: Rollout) -> torch.Tensor:
     The policy's log-probs come from the same full forward as the reference's (not the generation's
     cached pass), so identical models give exactly 0.
     """
-    logp = reference_logprobs(policy, rollout)
-    logp_ref = reference_logprobs(reference, rollout)
+    logp = sequence_logprobs(policy, rollout)
+    logp_ref = sequence_logprobs(reference, rollout)
     per_token = kl_estimate(logp, logp_ref, "k1")
     return torch.where(rollout.response_mask.bool(), per_token, 0.0).sum(dim=1).cpu()
 
@@ -228,19 +233,24 @@ def summary_table(summary: dict) -> Table:
     return table
 
 
-def evaluate_run(run_dir, prompts_path=None) -> dict:
+def write_eval_json(run_dir: str | Path, results: dict[str, EvalResult], baseline: str | None = None) -> Path:
+    """Write ``RUN_DIR/eval.json``: ``{"summary": compare_policies(...), "policies": {name: EvalResult}}``
+    (the format is spelled out in :mod:`lmppo.report`, its reader)."""
+    record = {
+        "summary": compare_policies(results, baseline),
+        "policies": {name: result.to_dict() for name, result in results.items()},
+    }
+    path = Path(run_dir) / EVAL_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) -> dict:
     """``lmppo eval RUN_DIR``: the run's final policy vs its starting policy on held-out prompts.
 
-    Uses the run's own config (decoding, reward); writes ``RUN_DIR/eval.json`` for the report.
+    Uses the run's own config (decoding, reward, judge); writes ``RUN_DIR/eval.json`` for the report.
     """
-    from pathlib import Path
-
-    from lmppo.config import load_config
-    from lmppo.data import load_prompts
-    from lmppo.models import load_causal_lm, load_tokenizer
-    from lmppo.report import write_eval_json
-    from lmppo.scoring import load_function, reward_from_config
-
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml")
     prompts_path = prompts_path or cfg.data.eval_prompts
@@ -248,15 +258,14 @@ def evaluate_run(run_dir, prompts_path=None) -> dict:
         raise LmppoError("no held-out prompts: pass --prompts FILE or set data.eval_prompts in the run's config")
     if not (run_dir / "final").is_dir():
         raise LmppoError(f"{run_dir / 'final'} does not exist: the run has not finished (continue it with --resume)")
-    m, r = cfg.models.policy, cfg.rollout
+    tokenizer, prompts = load_tokenizer(cfg.models.policy), load_prompts(prompts_path)
+    reward_fn = load_reward(cfg.reward).reward
     gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
-    start = load_causal_lm(m.path, gguf_file=m.gguf_file, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
+    start = load_causal_lm(cfg.models.policy)
     results = {
         name: evaluate_policy(
-            policy, load_tokenizer(m.path, m.gguf_file), load_prompts(prompts_path), reward_fn=reward_from_config(cfg.reward),
-            reference=start, gold_fn=gold_fn, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-            stop_token_ids=r.stop_token_ids, chat_template=m.chat_template, raw_prompts=cfg.data.raw_prompts,
-            batch_size=cfg.run.eval_batch_size, seed=cfg.run.seed,
+            policy, tokenizer, prompts, reward_fn=reward_fn, reference=start, gold_fn=gold_fn,
+            generator_options=generator_options(cfg), batch_size=cfg.run.eval_batch_size, seed=cfg.run.seed,
         )
         for name, policy in (("start", start), ("PPO", load_causal_lm(run_dir / "final")))
     }

@@ -115,7 +115,7 @@ class Guards:
         rm_score = metrics.get("reward/rm_score")
         if rm_score is not None and math.isfinite(rm_score):
             self._rm_sum, self._rm_count = self._rm_sum + rm_score, self._rm_count + 1
-        heldout = metrics.get("eval/gold_score", metrics.get("eval/rm_score"))
+        heldout = metrics.get("eval/gold_score", metrics.get("eval/reward/rm_score"))
         patience = self.cfg.reward_without_eval_patience
         if patience is None or heldout is None or not math.isfinite(heldout) or not self._rm_count:
             return
@@ -173,7 +173,7 @@ class Guards:
             0.0,
             f"guard 'reward_without_eval' fired at step {step}: over the last {patience} evaluations the "
             f"training RM score rose by {_fmt(rm_rise)} while the held-out score (eval/gold_score, else "
-            f"eval/rm_score) never beat {_fmt(heldout_first)} (best change {_fmt(heldout_gain)}). The policy "
+            f"eval/reward/rm_score) never beat {_fmt(heldout_first)} (best change {_fmt(heldout_gain)}). The policy "
             "is likely exploiting the reward model; raise kl.beta, improve the reward model, or keep the "
             "last good checkpoint. To tolerate it, raise guards.reward_without_eval_patience (null: off).",
         )

@@ -14,7 +14,8 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Self
 
@@ -46,6 +47,7 @@ METRIC_NAMES: dict[str, str] = {
     "policy/ratio_max": "largest importance ratio of any response token",
     "policy/epochs": "PPO epochs run this step (fewer than ppo.ppo_epochs after an approx-KL early stop)",
     "policy/updates": "optimizer updates made this step",
+    "policy/grad_norm": "gradient norm of the policy before clipping",
     "ptx/loss": "per-token SFT loss on data.ptx_demonstrations (PPO-ptx)",
     "value/loss": "clipped value loss, mean over response tokens and minibatches",
     "value/clip_frac": "fraction of response tokens whose value moved more than the value clip range",
@@ -58,15 +60,14 @@ METRIC_NAMES: dict[str, str] = {
     "response/truncated_frac": "fraction of responses cut off at max_new_tokens",
     "health/nonfinite": "number of non-finite values seen in this step's losses, gradients and statistics",
     "health/nonfinite_updates": "updates skipped because a gradient was non-finite",
-    "health/grad_norm": "gradient norm of the policy before clipping",
     "lag/policy_versions": "policy versions between the policy that sampled the rollout and the one updated",
     "lag/rollout_age_s": "seconds between generating the rollout and updating on it",
     "perf/step_s": "wall-clock seconds of the whole PPO step",
     "perf/rollout_s": "seconds spent generating",
     "perf/score_s": "seconds spent scoring (reward model, reference and value forward passes)",
     "perf/weight_sync_s": "seconds pushing the updated policy into the rollout engine (engine=vllm only)",
-    "lag/tis_clip_frac": "ppo.tis_cap: share of response tokens whose importance weight hit the cap",
-    "lag/engine_logp_gap": "mean |logp_old - trainer log-prob| per response token before the step's first update",
+    "engine/tis_clip_frac": "ppo.tis_cap: share of response tokens whose importance weight hit the cap",
+    "engine/logp_gap": "mean |logp_old - trainer log-prob| per response token before the step's first update",
     "perf/reward_s": "of perf/score_s: seconds in the reward (model or function) and its preprocessing",
     "perf/reference_s": "of perf/score_s: seconds in the reference model's forward passes",
     "perf/values_s": "of perf/score_s: seconds in the value model's forward passes",
@@ -75,12 +76,12 @@ METRIC_NAMES: dict[str, str] = {
     "perf/train_tokens_per_s": "response tokens processed per second of PPO update, all ranks",
     "perf/peak_rss_mb": "peak resident memory of the process in MiB",
     "perf/allreduce_mb": "gradient bytes all-reduced by DDP this step, MiB per rank (only with several ranks)",
-    "eval/rm_score": "mean reward-model score on the held-out prompts",
+    "eval/reward/rm_score": "mean reward-model (or reward function) score on the held-out prompts",
     "eval/gold_score": "mean gold-judge score on the held-out prompts, where a judge exists",
-    "eval/kl_ref": "mean per-sequence KL (k1) of the policy to the reference on held-out samples",
+    "eval/kl/ref": "mean per-sequence KL (k1) of the policy to the reference on held-out samples",
     "eval/demo_ppl": "perplexity of held-out demonstrations under the policy (the alignment tax)",
-    "eval/length": "mean response length on held-out prompts, EOS included",
-    "eval/eos_frac": "fraction of held-out responses that ended with a stop token",
+    "eval/response/length": "mean response length on held-out prompts, EOS included",
+    "eval/response/eos_frac": "fraction of held-out responses that ended with a stop token",
     "eval/win_rate": "share of held-out prompts where this policy beats the baseline (gold judge; ties half)",
 }
 
@@ -98,13 +99,35 @@ REDUCE_OPS: dict[str, str] = {
     "perf/reference_s": "max",
     "perf/values_s": "max",
     "perf/update_s": "max",
+    "perf/weight_sync_s": "max",
     "perf/rollout_tokens_per_s": "min",  # all ranks' tokens over this rank's seconds: the slowest rank's
     "perf/train_tokens_per_s": "min",
     "perf/peak_rss_mb": "max",
 }
 
+# Old name -> current name: metrics.jsonl files written before a rename still read (read_metrics).
+RENAMED_METRICS: dict[str, str] = {
+    "health/grad_norm": "policy/grad_norm",
+    "lag/engine_logp_gap": "engine/logp_gap",
+    "lag/tis_clip_frac": "engine/tis_clip_frac",
+    "eval/rm_score": "eval/reward/rm_score",
+    "eval/kl_ref": "eval/kl/ref",
+    "eval/length": "eval/response/length",
+    "eval/eos_frac": "eval/response/eos_frac",
+}
+
 METRICS_FILE = "metrics.jsonl"
 _JSON_TO_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+@contextmanager
+def timed(seconds: dict[str, float], key: str) -> Iterator[None]:
+    """Wall seconds of the block, into ``seconds[key]`` (a ``perf/*_s`` metric)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[key] = time.perf_counter() - started
 
 
 # --------------------------------------------------------------------------------------------------
@@ -221,11 +244,12 @@ def _parse_lines(path: Path) -> list[dict]:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """All records of ``RUN_DIR/metrics.jsonl`` in file order, non-finite strings back as floats."""
+    """All records of ``RUN_DIR/metrics.jsonl`` in file order, non-finite strings back as floats and
+    metrics logged under an old name (:data:`RENAMED_METRICS`) under their current one."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise LmppoError(f"no metrics at {path}: is {run_dir} a run directory?")
-    return [{k: _from_json_number(v) for k, v in r.items()} for r in _parse_lines(path)]
+    return [{RENAMED_METRICS.get(k, k): _from_json_number(v) for k, v in r.items()} for r in _parse_lines(path)]
 
 
 def _keep_records_up_to(path: Path, last_step: int | None) -> None:

@@ -35,6 +35,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from lmppo.config import ModelSource
 from lmppo.errors import LmppoError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,8 +48,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 @dataclass(frozen=True)
-class ModelSource:
-    """Where a model's files are: a local directory, plus the GGUF file name inside it if any."""
+class ResolvedSource:
+    """Where a model's files are on disk: a local directory, plus the GGUF file name inside it if any."""
 
     directory: Path
     gguf_file: str | None = None
@@ -57,20 +58,25 @@ class ModelSource:
         return str(self.directory / self.gguf_file) if self.gguf_file else str(self.directory)
 
 
-def resolve_source(path: str | os.PathLike, gguf_file: str | None = None) -> ModelSource:
+def as_model_source(model: ModelSource | str | os.PathLike) -> ModelSource:
+    """A config model section as given, or a bare path as one with every default (fp32, no GGUF)."""
+    return model if isinstance(model, ModelSource) else ModelSource(path=str(model))
+
+
+def resolve_source(path: str | os.PathLike, gguf_file: str | None = None) -> ResolvedSource:
     """Find a model on disk: a directory, a ``.gguf`` file, or a hub id already in the local HF cache.
 
     Raises :class:`LmppoError` when nothing is on disk: lmppo never downloads.
     """
     local = Path(path).expanduser()
     if local.is_file() and local.suffix == ".gguf" and gguf_file is None:
-        return ModelSource(local.parent, local.name)
+        return ResolvedSource(local.parent, local.name)
     if local.is_dir():
         if gguf_file is not None and not (local / gguf_file).is_file():
             raise LmppoError(
                 f"GGUF file {gguf_file!r} not found in {local}; check `gguf_file` in the config."
             )
-        return ModelSource(local, gguf_file)
+        return ResolvedSource(local, gguf_file)
     cached = _local_hub_snapshot(str(path))
     if cached is None:
         raise LmppoError(
@@ -92,16 +98,17 @@ def _local_hub_snapshot(repo_id: str) -> Path | None:
         return None
 
 
-def _from_pretrained_kwargs(source: ModelSource, dtype: str, trust_remote_code: bool) -> dict:
-    if dtype not in DTYPES:
-        raise LmppoError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}.")
-    kwargs = {"dtype": DTYPES[dtype], "local_files_only": True, "trust_remote_code": trust_remote_code}
+def _from_pretrained_kwargs(spec: ModelSource, source: ResolvedSource, *, weights: bool = True) -> dict:
+    """``from_pretrained`` keywords: local files only, the GGUF file, and (for weights) the dtype."""
+    kwargs = {"local_files_only": True, "trust_remote_code": spec.trust_remote_code}
+    if weights:
+        kwargs["dtype"] = DTYPES[spec.dtype]  # the config section has validated the name
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
     return kwargs
 
 
-def _load_error(what: str, source: ModelSource, err: Exception) -> LmppoError:
+def _load_error(what: str, source: ResolvedSource, err: Exception) -> LmppoError:
     if "trust_remote_code" in str(err):
         return LmppoError(
             f"{what} at {source} needs custom code from its repository; set `trust_remote_code: true` "
@@ -110,16 +117,12 @@ def _load_error(what: str, source: ModelSource, err: Exception) -> LmppoError:
     return LmppoError(f"cannot load {what} from {source}: {err}")
 
 
-def load_tokenizer(
-    path: str | os.PathLike, gguf_file: str | None = None, *, trust_remote_code: bool = False
-) -> PreTrainedTokenizerBase:
-    """The tokenizer (with its chat template) of a local model directory or GGUF file."""
-    source = resolve_source(path, gguf_file)
-    kwargs = {"local_files_only": True, "trust_remote_code": trust_remote_code}
-    if source.gguf_file:
-        kwargs["gguf_file"] = source.gguf_file
+def load_tokenizer(model: ModelSource | str | os.PathLike) -> PreTrainedTokenizerBase:
+    """The tokenizer (with its chat template) of a model section (or a bare path): directory or GGUF."""
+    spec = as_model_source(model)
+    source = resolve_source(spec.path, spec.gguf_file)
     try:
-        return AutoTokenizer.from_pretrained(source.directory, **kwargs)
+        return AutoTokenizer.from_pretrained(source.directory, **_from_pretrained_kwargs(spec, source, weights=False))
     except (OSError, ValueError, KeyError) as err:
         if source.gguf_file:
             raise LmppoError(
@@ -129,52 +132,43 @@ def load_tokenizer(
         raise _load_error("the tokenizer", source, err) from err
 
 
-def load_causal_lm(
-    path: str | os.PathLike,
-    *,
-    gguf_file: str | None = None,
-    dtype: str = "float32",
-    trust_remote_code: bool = False,
-) -> PreTrainedModel:
-    """A causal LM (policy or reference) from a local directory or GGUF file, in ``dtype``."""
-    source = resolve_source(path, gguf_file)
+def load_causal_lm(model: ModelSource | str | os.PathLike) -> PreTrainedModel:
+    """A causal LM (policy or reference) from a model section (or a bare path), in its ``dtype``."""
+    spec = as_model_source(model)
+    source = resolve_source(spec.path, spec.gguf_file)
     try:
-        return AutoModelForCausalLM.from_pretrained(
-            source.directory, **_from_pretrained_kwargs(source, dtype, trust_remote_code)
-        )
+        return AutoModelForCausalLM.from_pretrained(source.directory, **_from_pretrained_kwargs(spec, source))
     except (OSError, ValueError) as err:
         raise _load_error("a causal LM", source, err) from err
 
 
-def load_reward_model(
-    path: str | os.PathLike,
-    *,
-    gguf_file: str | None = None,
-    dtype: str = "float32",
-    trust_remote_code: bool = False,
-) -> PreTrainedModel:
-    """A frozen sequence-scoring reward model (one label) from a local directory or GGUF file.
+def load_reward_model(model: ModelSource | str | os.PathLike, *, new_head: bool = False, pad_token_id=None):
+    """A one-label sequence scorer from a model section (or a bare path), in its ``dtype``.
 
-    A checkpoint without a trained score head (e.g. a plain causal LM) is refused: transformers would
-    silently give it a randomly initialised head.
+    By default it is a frozen reward model, and a checkpoint without a trained score head (e.g. a plain
+    causal LM) is refused: transformers would silently give it a randomly initialised head. With
+    ``new_head=True`` (reward-model training) a causal LM gets a fresh head and everything stays trainable;
+    ``pad_token_id`` goes into its config.
     """
-    source = resolve_source(path, gguf_file)
+    spec = as_model_source(model)
+    source = resolve_source(spec.path, spec.gguf_file)
+    extra = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            source.directory,
-            num_labels=1,
-            output_loading_info=True,
-            **_from_pretrained_kwargs(source, dtype, trust_remote_code),
+        scorer, info = AutoModelForSequenceClassification.from_pretrained(
+            source.directory, num_labels=1, output_loading_info=True, **extra,
+            **_from_pretrained_kwargs(spec, source),
         )
     except (OSError, ValueError, RuntimeError) as err:
         raise _load_error("a reward model", source, err) from err
+    if new_head:
+        return scorer
     untrained_head = [key for key in info["missing_keys"] if key.split(".")[0] == "score"]
     if untrained_head:
         raise LmppoError(
             f"{source} has no trained score head ({', '.join(untrained_head)} missing): it is not a reward "
             "model. Train one with `lmppo train-rm`, or point `reward.model.path` at a reward-model checkpoint."
         )
-    return freeze(model)
+    return freeze(scorer)
 
 
 def cache_gguf_as_transformers(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -193,8 +187,9 @@ def cache_gguf_as_transformers(gguf_path: str | os.PathLike, out_dir: str | os.P
     marker = out_dir / "lmppo_gguf_source.json"
     if marker.is_file() and json.loads(marker.read_text()).get("gguf_sha256") == gguf_sha256:
         return out_dir
-    tokenizer = load_tokenizer(source.directory, source.gguf_file)
-    gguf_model = load_causal_lm(source.directory, gguf_file=source.gguf_file)
+    spec = ModelSource(path=str(source.directory), gguf_file=source.gguf_file)
+    tokenizer = load_tokenizer(spec)
+    gguf_model = load_causal_lm(spec)
     config = gguf_model.config
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -453,7 +448,7 @@ def model_identity(
     role: str,
     model,
     *,
-    source: ModelSource | None = None,
+    source: ResolvedSource | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
     chat_template: str | None = None,
     shared_with: str | None = None,
@@ -494,7 +489,7 @@ def _lora_record(model) -> dict | None:
     }
 
 
-def weights_sha256(source: ModelSource) -> str:
+def weights_sha256(source: ResolvedSource) -> str:
     """sha256 over a model's weight files (name and content hash of each, sorted by name)."""
     if source.gguf_file:
         files = [source.directory / source.gguf_file]

@@ -17,18 +17,18 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
+from lmppo.build import PPOModels, generator_options, load_reward
 from lmppo.config import QuickstartConfig, apply_override, validate_config
 from lmppo.data import read_jsonl
 from lmppo.errors import LmppoError
-from lmppo.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table
-from lmppo.models import load_causal_lm, load_reward_model, load_tokenizer
-from lmppo.report import report, write_eval_json, write_rm_eval_json
-from lmppo.reward_modeling import evaluate_reward_model, train_reward_model
-from lmppo.scoring import RewardModelScorer
+from lmppo.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table, write_eval_json
+from lmppo.models import load_causal_lm, load_tokenizer
+from lmppo.report import report
+from lmppo.reward_modeling import evaluate_reward_model, train_reward_model, write_rm_eval_json
+from lmppo.run import train
 from lmppo.sft import train_sft
 from lmppo.toy.models import build_toy_world, reward_model_from_policy
 from lmppo.toy.task import gold_score, task_of
-from lmppo.trainer import PPOModels, train
 
 console = Console()
 STAGE_SECTIONS = ("sft", "reward_model")  # override prefixes that address a stage, not the PPO run
@@ -94,8 +94,7 @@ def run_quickstart(out_dir: str | Path = "runs/quickstart", *, seed: int = 0, fa
         return evaluate_policy(
             policy_model, tokenizer, eval_prompts, reward_fn=reward_fn, reference=reference, gold_fn=gold_score,
             demonstrations=demos, slice_fn=lambda prompt: task_of(prompt).kind,
-            max_new_tokens=ppo_cfg.rollout.max_new_tokens, temperature=ppo_cfg.rollout.temperature,
-            batch_size=ppo_cfg.run.eval_batch_size, seed=seed,
+            generator_options=generator_options(ppo_cfg), batch_size=ppo_cfg.run.eval_batch_size, seed=seed,
         )
 
     def periodic_eval(models: PPOModels):
@@ -109,8 +108,7 @@ def run_quickstart(out_dir: str | Path = "runs/quickstart", *, seed: int = 0, fa
     with console.status("[5/6] held-out evaluation of SFT and PPO"):
         sft_policy = load_causal_lm(out_dir / "sft")
         ppo_policy = load_causal_lm(run_dir / "final")
-        scorer = RewardModelScorer(load_reward_model(out_dir / "rm"), rm_tokenizer,
-                                   batch_size=ppo_cfg.reward.batch_size)
+        scorer = load_reward(ppo_cfg.reward).reward  # the frozen RM, scored as during PPO
         results = {
             "SFT": evaluate(sft_policy, sft_policy, scorer),  # the reference is the SFT policy itself
             "PPO": evaluate(ppo_policy, sft_policy, scorer),

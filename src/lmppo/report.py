@@ -4,10 +4,10 @@ Reads, from ``RUN_DIR``:
 
 - ``metrics.jsonl`` (required; written by :class:`lmppo.metrics.MetricsLogger`);
 - ``config.yaml`` (optional): the resolved config, shown in a collapsed block;
-- ``eval.json`` (optional, :data:`EVAL_FILE`, written by :func:`write_eval_json`)::
+- ``eval.json`` (optional, written by :func:`lmppo.evaluate.write_eval_json`)::
 
       {"summary":  {"baseline": "sft", "judge": "gold" | "rm",
-                    "policies": {name: {"eval/rm_score": float, "eval/win_rate": float, ...}}},
+                    "policies": {name: {"eval/reward/rm_score": float, "eval/win_rate": float, ...}}},
        "policies": {name: {"metrics": {"eval/...": float},
                            "slices":  {slice: {"n": int, "eval/...": float}},
                            "rows":    [{"prompt", "response", "rm_score", "length", "eos",
@@ -15,7 +15,7 @@ Reads, from ``RUN_DIR``:
 
   ``summary`` is :func:`lmppo.evaluate.compare_policies`; each policy is an ``EvalResult.to_dict()``,
   all evaluated on the same prompts in the same order (rows pair up by index);
-- ``rm_eval.json`` (optional, :data:`RM_EVAL_FILE`, written by :func:`write_rm_eval_json`): the dict of
+- ``rm_eval.json`` (optional, written by :func:`lmppo.reward_modeling.write_rm_eval_json`): the dict of
   :func:`lmppo.reward_modeling.evaluate_reward_model`, i.e. ``{"n", "accuracy", "margin_mean",
   "chosen_mean", "rejected_mean", "reward": {"mean", "std", "q10", "q50", "q90"},
   "slices": {key: {value: <same summary>}}}``.
@@ -37,11 +37,10 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from lmppo.errors import LmppoError
-from lmppo.evaluate import EvalResult, compare_policies, summary_columns
+from lmppo.evaluate import EVAL_FILE, summary_columns
 from lmppo.metrics import METRICS_FILE, read_metrics
+from lmppo.reward_modeling import RM_EVAL_FILE
 
-EVAL_FILE = "eval.json"
-RM_EVAL_FILE = "rm_eval.json"
 CONFIG_FILE = "config.yaml"
 REPORT_DIR = "report"
 INDEX_FILE = "index.html"
@@ -62,14 +61,14 @@ CURVES: dict[str, tuple[str, tuple[Panel, ...]]] = {
     "scores": (
         "Reward model vs gold judge: RM score rising while the gold score stalls or falls is reward hacking.",
         (
-            Panel("reward-model score", ("reward/rm_score", "eval/rm_score")),
+            Panel("reward-model score", ("reward/rm_score", "eval/reward/rm_score")),
             Panel("gold score (hidden judge)", ("eval/gold_score",)),
             Panel("held-out demo perplexity (alignment tax)", ("eval/demo_ppl",)),
         ),
     ),
     "kl": (
         "KL to the reference (nats per sequence) and the KL coefficient.",
-        (Panel("KL(policy || reference)", ("kl/ref", "eval/kl_ref")), Panel("beta", ("kl/beta",))),
+        (Panel("KL(policy || reference)", ("kl/ref", "eval/kl/ref")), Panel("beta", ("kl/beta",))),
     ),
     "policy": (
         "Policy update: loss, clipping, entropy and how far each step moved the policy.",
@@ -87,8 +86,8 @@ CURVES: dict[str, tuple[str, tuple[Panel, ...]]] = {
     "responses": (
         "Responses: length in tokens (EOS included) and the fraction that ended with EOS.",
         (
-            Panel("length (tokens)", ("response/length", "eval/length")),
-            Panel("EOS fraction", ("response/eos_frac", "eval/eos_frac")),
+            Panel("length (tokens)", ("response/length", "eval/response/length")),
+            Panel("EOS fraction", ("response/eos_frac", "eval/response/eos_frac")),
         ),
     ),
 }
@@ -106,31 +105,6 @@ class Bars:
     series: dict[str, list[float]]
     reference: float | None = None
     ylim: tuple[float, float] | None = None
-
-
-# --------------------------------------------------------------------------------------------------
-# Writing the JSON inputs
-# --------------------------------------------------------------------------------------------------
-
-
-def write_eval_json(run_dir: str | Path, results: dict[str, EvalResult], baseline: str | None = None) -> Path:
-    """Write ``RUN_DIR/eval.json`` (format in the module docstring) for the report and later reading."""
-    record = {
-        "summary": compare_policies(results, baseline),
-        "policies": {name: result.to_dict() for name, result in results.items()},
-    }
-    return _write_json(Path(run_dir) / EVAL_FILE, record)
-
-
-def write_rm_eval_json(run_dir: str | Path, rm_eval: dict) -> Path:
-    """Write ``RUN_DIR/rm_eval.json``: the output of ``evaluate_reward_model``."""
-    return _write_json(Path(run_dir) / RM_EVAL_FILE, rm_eval)
-
-
-def _write_json(path: Path, record: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    return path
 
 
 def _read_json(path: Path) -> dict | None:
@@ -227,7 +201,7 @@ def _evaluation_section(evaluation: dict, out: Path) -> str:
 def _slices_html(policies: Mapping[str, dict], slice_names: list[str], out: Path) -> str:
     """Grouped bars: each policy's mean gold and RM score per slice."""
     bars = []
-    for metric in ("eval/gold_score", "eval/rm_score"):
+    for metric in ("eval/gold_score", "eval/reward/rm_score"):
         series = {
             name: [p["slices"].get(s, {}).get(metric, math.nan) for s in slice_names]
             for name, p in policies.items()

@@ -17,15 +17,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmppo.data import prompt_of_row, read_jsonl
 from lmppo.errors import LmppoError
-from lmppo.models import ValueModel, load_tokenizer, with_lora
+from lmppo.models import ValueModel, load_reward_model, load_tokenizer, with_lora
 from lmppo.scoring import RewardModelScorer
-from lmppo.sft import UpdateRule, merged, pad, shuffled_batches, trained_parameter_count
+from lmppo.supervised import UpdateRule, merged, pad, shuffled_batches, trained_parameter_count
 
 PAIR_KEYS = ("prompt", "chosen", "rejected")
+RM_EVAL_FILE = "rm_eval.json"  # evaluate_reward_model's summary, beside the model and in a run directory
 SLICE_KEYS = ("type", "length_bucket")
 
 
@@ -182,12 +183,8 @@ def run_train_rm(cfg) -> dict:
     m = cfg.model
     pairs = load_preference_jsonl(cfg.data)
     held_out = load_preference_jsonl(cfg.eval_data) if cfg.eval_data else None
-    tokenizer = load_tokenizer(m.path, m.gguf_file, trust_remote_code=m.trust_remote_code)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        m.path, num_labels=1, local_files_only=True, trust_remote_code=m.trust_remote_code,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = with_lora(model, cfg.lora)
+    tokenizer = load_tokenizer(m)
+    model = with_lora(load_reward_model(m, new_head=True, pad_token_id=tokenizer.pad_token_id), cfg.lora)
     stats = train_reward_model(model, tokenizer, pairs, epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size,
                                seed=cfg.seed, chat_template=m.chat_template)
     stats["trained_parameters"] = trained_parameter_count(model)
@@ -197,5 +194,13 @@ def run_train_rm(cfg) -> dict:
     tokenizer.save_pretrained(out)
     if held_out:
         stats["eval"] = evaluate_reward_model(model, tokenizer, held_out, chat_template=m.chat_template)
-        (out / "rm_eval.json").write_text(json.dumps(stats["eval"], indent=2))
+        write_rm_eval_json(out, stats["eval"])
     return stats
+
+
+def write_rm_eval_json(directory: str | Path, rm_eval: dict) -> Path:
+    """Write ``DIRECTORY/rm_eval.json``: the output of :func:`evaluate_reward_model` (read by the report)."""
+    path = Path(directory) / RM_EVAL_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rm_eval, indent=1) + "\n")
+    return path

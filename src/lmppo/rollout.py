@@ -8,6 +8,10 @@ generated tokens up to and including the first stop token.
 Every forward over a (query, response) batch goes through :func:`sequence_inputs`: the attention mask
 comes from the tokenizer (never from ``ids != pad``, which hides a real EOS when pad == EOS) and
 ``position_ids`` are explicit (left padding without them shifts positions).
+
+This module owns what is done to a :class:`Rollout`: sampling it, the stored passes over it
+(:func:`sequence_logprobs`, :func:`value_predictions`), cutting it into trimmed micro-batches and the
+update's forward (:class:`PolicyAndValue`).
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch import nn
 from transformers import PreTrainedTokenizerBase, StaticCache, TopKLogitsWarper, TopPLogitsWarper
 
 from lmppo.core import last_response_index, token_logprobs
+from lmppo.data import Prompt, render_query_ids
 from lmppo.errors import LmppoError
 from lmppo.models import ValueModel, eval_mode, unwrap_model
-
-Prompt = str | list[dict[str, str]]  # plain user text, or a list of chat messages
 
 
 # --------------------------------------------------------------------------------------------------
@@ -42,8 +46,7 @@ class Rollout:
     Tensors: ``query_ids`` (B, Q) long, left-padded; ``query_mask`` (B, Q) long, 1 = real prompt token;
     ``response_ids`` (B, R) long; ``response_mask`` (B, R) float; ``terminated`` (B,) bool (emitted a
     stop token; else truncated at ``max_new_tokens``); ``logp_old`` (B, R) float32 at ``temperature``.
-    ``sampling_truncated``: top-k / top-p were on, so ``logp_old`` (of the untruncated tempered
-    distribution) is slightly off-policy. ``extras``: per-row tensors added later (``logp_ref``,
+    ``extras``: per-row tensors added later (``logp_ref``,
     ``values``, advantages, ...); they follow :meth:`select`, :meth:`minibatches` and :meth:`to`.
     """
 
@@ -58,7 +61,6 @@ class Rollout:
     prompts: list
     response_texts: list[str]
     temperature: float = 1.0
-    sampling_truncated: bool = False
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     _ROW_TENSORS = ("query_ids", "query_mask", "response_ids", "response_mask", "terminated", "logp_old")
@@ -199,32 +201,32 @@ def _tempered(logits: torch.Tensor, batch: Rollout, temperature: float | None) -
     return logits if temperature == 1.0 else logits / temperature
 
 
-def _micro_batches(rollout: Rollout, size: int | None) -> Iterator[Rollout]:
-    size = size or len(rollout)
-    for start in range(0, len(rollout), size):
-        yield rollout.select(slice(start, start + size))
-
-
-def reference_logprobs(
-    ref_model, rollout: Rollout, temperature: float | None = None, *, micro_batch_size: int | None = None
+def sequence_logprobs(
+    model, rollout: Rollout, temperature: float | None = None, *, forward_batch_size: int | None = None
 ) -> torch.Tensor:
-    """Log-probs of the sampled tokens under ``ref_model`` (B, R) float32, eval mode, no grad.
+    """Log-probs of the sampled tokens under ``model`` (B, R) float32, eval mode, no grad.
 
-    The temperature defaults to the sampling temperature, so the KL compares like with like.
-    Values at masked positions are finite but meaningless.
+    The stored reference pass (``logp_ref``), and the trainer's own log-probs of engine samples. The
+    temperature defaults to the sampling temperature, so the KL compares like with like. Values at
+    masked positions are finite but meaningless.
     """
-    with torch.inference_mode(), eval_mode(ref_model):
-        logp_ref = torch.cat(
+    with torch.inference_mode(), eval_mode(model):
+        logp = torch.cat(
             [
-                token_logprobs(response_logits(ref_model, mb, temperature), mb.response_ids)
-                for mb in _micro_batches(rollout, micro_batch_size)
+                token_logprobs(response_logits(model, mb, temperature), mb.response_ids)
+                for mb in rollout.minibatches(forward_batch_size or len(rollout))
             ]
         )
-    return logp_ref.clone()  # a normal tensor: inference tensors cannot meet autograd later
+    return logp.clone()  # a normal tensor: inference tensors cannot meet autograd later
+
+
+def state_values(value_model: ValueModel, batch: Rollout) -> torch.Tensor:
+    """(B, R + 1): V of the state before each response token, then of the state after the last column."""
+    return value_model(*batch.sequence_inputs())[:, batch.query_ids.shape[1] - 1 :]
 
 
 def value_predictions(
-    value_model: ValueModel, rollout: Rollout, *, micro_batch_size: int | None = None
+    value_model: ValueModel, rollout: Rollout, *, forward_batch_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored values for GAE, eval mode, no grad.
 
@@ -234,14 +236,62 @@ def value_predictions(
     """
     values, bootstrap = [], []
     with torch.inference_mode(), eval_mode(value_model):
-        for mb in _micro_batches(rollout, micro_batch_size):
-            queries, responses = mb.query_ids.shape[1], mb.response_ids.shape[1]
-            # (b, R + 1): the state before each response token, then the state after the last column
-            v = value_model(*mb.sequence_inputs())[:, queries - 1 :]
+        for mb in rollout.minibatches(forward_batch_size or len(rollout)):
+            v = state_values(value_model, mb)
             after_last = v.gather(1, (last_response_index(mb.response_mask) + 1).unsqueeze(1)).squeeze(1)
-            values.append(v[:, :responses])
+            values.append(v[:, :-1])
             bootstrap.append(torch.where(mb.terminated, 0.0, after_last))
     return torch.cat(values), torch.cat(bootstrap)  # cat outside inference mode: normal tensors
+
+
+class PolicyAndValue(nn.Module):
+    """The trained networks behind one ``forward``: (B, R, V) tempered response logits and (B, R) values.
+
+    One module so that data parallelism wraps one forward and one set of parameters: DDP then syncs the
+    policy's and the critic's gradients in the same backward, and a shared trunk is synced once.
+    """
+
+    def __init__(self, policy: nn.Module, value_model: ValueModel) -> None:
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+
+    def forward(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.value_model.shared_trunk:
+            return policy_logits_and_values(self.policy, self.value_model, batch)
+        return response_logits(self.policy, batch), state_values(self.value_model, batch)[:, :-1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Micro-batches for the update
+# --------------------------------------------------------------------------------------------------
+
+
+def trim_padding(rollout: Rollout) -> Rollout:
+    """Drop the columns that are padding in every row: leading query columns (left padding) and response
+    columns past the longest response. Positions count real tokens, so no real token moves."""
+    first = int(rollout.query_mask.any(dim=0).long().argmax())  # first query column holding a real token
+    length = int(rollout.response_mask.sum(1).max().clamp(min=1))
+    if first == 0 and length == rollout.response_ids.shape[1]:
+        return rollout
+    queries = {name: getattr(rollout, name)[:, first:] for name in ("query_ids", "query_mask")}
+    responses = {name: getattr(rollout, name)[:, :length] for name in ("response_ids", "response_mask", "logp_old")}
+    extras = {k: v[:, :length] if v.dim() == 2 else v for k, v in rollout.extras.items()}
+    return dataclasses.replace(rollout, **queries, **responses, extras=extras)
+
+
+def length_sorted_micro_batches(minibatch: Rollout, size: int) -> Iterator[Rollout]:
+    """Micro-batches of ``size`` rows, trimmed; with several, rows of similar length go together.
+
+    Length is real query plus counted response tokens. Gradient accumulation sums token-weighted
+    micro-batch losses, so grouping rows by length changes no result, only how many padded positions
+    the forward passes compute.
+    """
+    order = torch.arange(len(minibatch))
+    if size < len(minibatch):
+        lengths = minibatch.query_mask.sum(1) + minibatch.response_mask.sum(1)
+        order = torch.argsort(lengths.cpu(), descending=True, stable=True)
+    for start in range(0, len(minibatch), size):
+        yield trim_padding(minibatch.select(order[start : start + size]))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -324,12 +374,11 @@ class HFGenerator:
         self.chat_template, self.raw_prompts = chat_template, raw_prompts
         self.truncate_prompts = truncate_prompts
         self.max_prompt_length = self._prompt_limit(max_prompt_length)
-        self.sampling_truncated = top_k > 0 or top_p < 1.0
-        if self.sampling_truncated:
+        if top_k > 0 or top_p < 1.0:
             warnings.warn(
                 f"top_k={top_k} / top_p={top_p}: logp_old is recorded from the untruncated tempered "
                 "distribution, so rollouts are slightly off-policy (the PPO ratio at the first epoch is not "
-                "exactly 1). Rollout.sampling_truncated is set for logging.",
+                "exactly 1; policy/ratio_mean and policy/clip_frac show by how much).",
                 stacklevel=2,
             )
 
@@ -355,11 +404,7 @@ class HFGenerator:
             if not isinstance(prompt, str):
                 raise LmppoError("raw_prompts needs plain-text prompts, got chat messages.")
             return self.tokenizer(prompt).input_ids
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        text = self.tokenizer.apply_chat_template(
-            messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False
-        )
-        return self.tokenizer(text, add_special_tokens=False).input_ids  # the template holds any BOS
+        return render_query_ids(self.tokenizer, prompt, self.chat_template)
 
     def _query_batch(self, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
         if not prompts:
@@ -409,7 +454,6 @@ class HFGenerator:
             prompts=list(prompts),
             response_texts=self._decode(response_ids, response_mask, terminated),
             temperature=self.temperature,
-            sampling_truncated=self.sampling_truncated,
         )
 
     def _sample(self, query_ids: torch.Tensor, query_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,6 @@ import hashlib
 import importlib
 import importlib.util
 import math
-import re
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -125,11 +124,6 @@ class RewardModelScorer:
 # --------------------------------------------------------------------------------------------------
 # Programmatic rewards
 # --------------------------------------------------------------------------------------------------
-
-
-def count_good(prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
-    """The seeds' toy reward: how many times the word "good" occurs in each response (any case)."""
-    return [float(len(re.findall(r"\bgood\b", response.lower()))) for response in responses]
 
 
 class ProgrammaticReward:
@@ -265,16 +259,3 @@ class ScoreTransform:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.count, self.mean, self.var = float(state["count"]), float(state["mean"]), float(state["var"])
-
-
-def reward_from_config(reward_cfg, device: torch.device | str = "cpu") -> RewardFunction:
-    """The configured reward: a learned RM with its own tokenizer and template, or a ``module:function``."""
-    from lmppo.models import load_reward_model, load_tokenizer
-
-    if reward_cfg.model is None:
-        return load_reward_function(reward_cfg.function)
-    r = reward_cfg.model
-    model = load_reward_model(r.path, gguf_file=r.gguf_file, dtype=r.dtype, trust_remote_code=r.trust_remote_code)
-    tokenizer = load_tokenizer(r.path, r.gguf_file, trust_remote_code=r.trust_remote_code)
-    return RewardModelScorer(model.to(device), tokenizer, chat_template=r.chat_template,
-                             max_length=reward_cfg.max_length, batch_size=reward_cfg.batch_size)

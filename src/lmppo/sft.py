@@ -12,12 +12,12 @@ import time
 from collections.abc import Sequence
 
 import torch
-from peft import PeftModel
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmppo.data import load_demonstrations, render_query_ids
 from lmppo.errors import LmppoError
-from lmppo.models import load_causal_lm, load_tokenizer, trainable_parameters, with_lora
+from lmppo.models import load_causal_lm, load_tokenizer, with_lora
+from lmppo.supervised import UpdateRule, merged, pad, shuffled_batches, trained_parameter_count
 
 IGNORE = -100  # label of positions that carry no loss
 
@@ -36,14 +36,6 @@ def sft_features(
     return query + response_ids, [IGNORE] * len(query) + response_ids
 
 
-def pad(rows: Sequence[Sequence[int]], value: int, side: str = "right") -> torch.Tensor:
-    """Pad int lists to one (B, L) tensor on the given side."""
-    width = max(len(r) for r in rows)
-    fill = [[value] * (width - len(r)) for r in rows]
-    padded = [f + list(r) if side == "left" else list(r) + f for f, r in zip(fill, rows)]
-    return torch.tensor(padded, dtype=torch.long)
-
-
 def sft_batch(
     tokenizer: PreTrainedTokenizerBase, examples: Sequence[dict], chat_template: str | None = None
 ) -> dict[str, torch.Tensor]:
@@ -60,46 +52,6 @@ def sft_batch(
         "attention_mask": pad([[1] * len(i) for i in ids], 0),
         "labels": pad([f[1] for f in features], IGNORE),
     }
-
-
-def shuffled_batches(items: Sequence, batch_size: int, rng: random.Random):
-    """One epoch: `items` in a fresh random order, in chunks of `batch_size` (the last may be short)."""
-    order = list(range(len(items)))
-    rng.shuffle(order)
-    for start in range(0, len(order), batch_size):
-        yield [items[i] for i in order[start : start + batch_size]]
-
-
-class UpdateRule:
-    """AdamW with linear warmup then cosine decay and gradient-norm clipping: SFT's and RM training's step."""
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        lr: float,
-        total_steps: int,
-        weight_decay: float,
-        warmup_frac: float,
-        max_grad_norm: float,
-    ) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        if not self.params:
-            raise LmppoError(
-                f"{type(model).__name__} has no trainable parameters: load it unfrozen to train it"
-            )
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
-        self.schedule = get_cosine_schedule_with_warmup(
-            self.optimizer, int(warmup_frac * total_steps), total_steps
-        )
-        self.max_grad_norm = max_grad_norm
-
-    def step(self, loss: torch.Tensor) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-        self.optimizer.step()
-        self.schedule.step()
 
 
 def train_sft(
@@ -163,25 +115,14 @@ def response_nll(
     return total / max(count, 1)
 
 
-def merged(model: torch.nn.Module) -> PreTrainedModel:
-    """A LoRA model with its adapter folded into the weights (a plain transformers model); else ``model``."""
-    return model.merge_and_unload() if isinstance(model, PeftModel) else model
-
-
-def trained_parameter_count(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in trainable_parameters(model))
-
-
 def run_sft(cfg) -> dict:
     """``lmppo sft CONFIG``: fine-tune ``cfg.model`` on ``cfg.data`` (all weights, or LoRA adapters merged at the
     end when ``cfg.lora.enabled``) and save it (with its tokenizer) to ``cfg.output_dir``."""
-    m = cfg.model
-    tokenizer = load_tokenizer(m.path, m.gguf_file, trust_remote_code=m.trust_remote_code)
-    model = load_causal_lm(m.path, gguf_file=m.gguf_file, dtype=m.dtype, trust_remote_code=m.trust_remote_code)
-    model = with_lora(model, cfg.lora)
+    tokenizer = load_tokenizer(cfg.model)
+    model = with_lora(load_causal_lm(cfg.model), cfg.lora)
     examples = [{"prompt": p, "response": r} for p, r in load_demonstrations(cfg.data)]
     stats = train_sft(model, tokenizer, examples, epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size,
-                      seed=cfg.seed, chat_template=m.chat_template)
+                      seed=cfg.seed, chat_template=cfg.model.chat_template)
     stats["trained_parameters"] = trained_parameter_count(model)
     model = merged(model)  # what is evaluated is what is saved
     if cfg.eval_data:

@@ -1,160 +1,40 @@
-"""The PPO loop, readable top to bottom (seeds/003 §3.4, DESIGN.md "Data flow of one PPO step").
+"""The PPO step and its state: one ``PPOTrainer.step`` reads top to bottom in the order of the method.
 
-One step: rollout -> score -> stored passes (reference log-probs, values) -> shaped rewards -> GAE
-(bootstrapping truncated rows) -> global advantage whitening -> ``ppo_epochs`` passes over shuffled
-minibatches (micro-batch gradient accumulation) -> approx-KL early stop -> KL controller -> metrics.
-All the math lives in :mod:`lmppo.core`; this module only orders it and keeps the books.
+All the math lives in :mod:`lmppo.core`; what is done to a rollout (sampling, stored passes, micro-batches,
+the update's forward) lives in :mod:`lmppo.rollout`; a whole run (resume, guards, checkpoints, signals,
+the final model) in :mod:`lmppo.run`. This module only orders the step and keeps its books.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import random
 import resource
-import signal
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
+from contextlib import nullcontext
 
-import numpy as np
 import torch
-from peft import PeftModel
 from torch import nn
-from transformers import GenerationConfig
 
 from lmppo import core
-from lmppo.checkpoint import (
-    CHECKPOINTS_DIR,
-    Checkpoint,
-    capture_rng_state,
-    check_compatible,
-    flatten_state,
-    last_good_checkpoint,
-    latest_checkpoint,
-    load_checkpoint,
-    restore_rng_state,
-    save_checkpoint,
-    unflatten_state,
-)
+from lmppo.build import PPOModels, build_generator
+from lmppo.checkpoint import capture_rng_state, flatten_state, restore_rng_state, unflatten_state
 from lmppo.config import Config
-from lmppo.data import Prompt, PromptStream, load_demonstrations, load_prompts
-from lmppo.distributed import (
-    DistInfo,
-    all_sum,
-    any_rank,
-    barrier,
-    check_world_size,
-    data_parallel,
-    distributed_session,
-    gather_objects,
-    rank_seed,
-)
+from lmppo.data import Prompt, PromptStream
+from lmppo.distributed import all_sum, check_world_size, data_parallel, gather_objects, rank_seed, seed_everything
 from lmppo.errors import LmppoError
-from lmppo.guards import Guards
-from lmppo.metrics import MetricsLogger, ProgressDisplay, reduce_metrics
-from lmppo.models import (
-    ValueModel,
-    freeze,
-    load_causal_lm,
-    load_reward_model,
-    load_tokenizer,
-    make_reference,
-    model_identity,
-    resolve_source,
-    with_lora,
-)
+from lmppo.metrics import timed
+from lmppo.models import trainable_parameters
 from lmppo.rollout import (
     Generator,
-    HFGenerator,
+    PolicyAndValue,
     Rollout,
-    policy_logits_and_values,
-    reference_logprobs,
-    response_logits,
+    length_sorted_micro_batches,
+    sequence_logprobs,
     value_predictions,
 )
-from lmppo.scoring import RewardFunction, RewardModelScorer, ScoreTransform, load_reward_function
-from lmppo.sft import sft_batch
-
-
-@dataclass
-class PPOModels:
-    """The four models of a run (the reward is a learned RM wrapped as a function, or a program)."""
-
-    policy: nn.Module
-    reference: nn.Module
-    value: nn.Module
-    tokenizer: object
-    reward: RewardFunction
-    identities: dict[str, dict] = field(default_factory=dict)
-
-
-class PolicyAndValue(nn.Module):
-    """The trained networks behind one ``forward``: (B, R, V) tempered response logits and (B, R) values.
-
-    One module so that data parallelism wraps one forward and one set of parameters: DDP then syncs the
-    policy's and the critic's gradients in the same backward, and a shared trunk is synced once.
-    """
-
-    def __init__(self, policy: nn.Module, value_model: ValueModel) -> None:
-        super().__init__()
-        self.policy, self.value_model = policy, value_model
-
-    def forward(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.value_model.shared_trunk:
-            return policy_logits_and_values(self.policy, self.value_model, batch)
-        queries, responses = batch.query_ids.shape[1], batch.response_ids.shape[1]
-        values = self.value_model(*batch.sequence_inputs())[:, queries - 1 : queries - 1 + responses]
-        return response_logits(self.policy, batch), values
-
-
-def trim_padding(rollout: Rollout) -> Rollout:
-    """Drop the columns that are padding in every row: leading query columns (left padding) and response
-    columns past the longest response. Positions count real tokens, so no real token moves."""
-    first = int(rollout.query_mask.any(dim=0).long().argmax())  # first query column holding a real token
-    length = int(rollout.response_mask.sum(1).max().clamp(min=1))
-    if first == 0 and length == rollout.response_ids.shape[1]:
-        return rollout
-    queries = {name: getattr(rollout, name)[:, first:] for name in ("query_ids", "query_mask")}
-    responses = {name: getattr(rollout, name)[:, :length] for name in ("response_ids", "response_mask", "logp_old")}
-    extras = {k: v[:, :length] if v.dim() == 2 else v for k, v in rollout.extras.items()}
-    return dataclasses.replace(rollout, **queries, **responses, extras=extras)
-
-
-def length_sorted_micro_batches(minibatch: Rollout, size: int) -> Iterator[Rollout]:
-    """Micro-batches of ``size`` rows, trimmed; with several, rows of similar length go together.
-
-    Length is real query plus counted response tokens. Gradient accumulation sums token-weighted
-    micro-batch losses, so grouping rows by length changes no result, only how many padded positions
-    the forward passes compute.
-    """
-    order = torch.arange(len(minibatch))
-    if size < len(minibatch):
-        lengths = minibatch.query_mask.sum(1) + minibatch.response_mask.sum(1)
-        order = torch.argsort(lengths.cpu(), descending=True, stable=True)
-    for start in range(0, len(minibatch), size):
-        yield trim_padding(minibatch.select(order[start : start + size]))
-
-
-@contextmanager
-def timed(seconds: dict[str, float], key: str) -> Iterator[None]:
-    """Wall seconds of the block, into ``seconds[key]``."""
-    started = time.perf_counter()
-    try:
-        yield
-    finally:
-        seconds[key] = time.perf_counter() - started
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (CPU and CUDA); sampling draws from torch's global generator."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+from lmppo.scoring import ScoreTransform
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -174,6 +54,23 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
 
 
 class PPOTrainer:
+    """PPO on a policy, a frozen reference, a reward and a critic; :meth:`step` is one iteration:
+
+    1. **Rollout** (:meth:`collect_rollout`): sample one response per prompt with the current policy,
+       recording ``logp_old`` and the policy version; regenerate a rollout older than allowed.
+    2. **Reward** (:meth:`score_and_estimate`): the raw score of each response, preprocessed, on its last
+       valid token, plus ``-beta * KL`` per token against the reference's stored log-probs.
+    3. **Advantages**: stored values, masked GAE over the response (returns = A + V), whitening with
+       global statistics.
+    4. **Update** (:meth:`update`): ``ppo_epochs`` passes over shuffled minibatches
+       (:meth:`minibatch_update`, micro-batch accumulation of :meth:`micro_batch_loss`: clipped surrogate,
+       clipped value loss, optional entropy), gradient clipping, approx-KL early stop.
+    5. **KL coefficient**: the fixed or adaptive controller, fed the step's mean per-sequence KL.
+
+    Its whole state (weights, optimizer, schedule, controller, score normalisation, data position, every
+    rank's RNG) is :meth:`state_payload` / :meth:`load_state_payload`, so a resumed run continues exactly.
+    """
+
     def __init__(
         self,
         cfg: Config,
@@ -182,7 +79,6 @@ class PPOTrainer:
         *,
         generator: Generator | None = None,
         ptx_batches: Callable[[], dict[str, torch.Tensor]] | None = None,
-        evaluator: Callable[[], dict[str, float]] | None = None,
         group: torch.distributed.ProcessGroup | None = None,
         rank: int = 0,
         world_size: int = 1,
@@ -207,7 +103,7 @@ class PPOTrainer:
         self.generator = generator or build_generator(cfg, models)
         self.prompt_stream = PromptStream(prompts, cfg.rollout.batch_size, shuffle=cfg.data.shuffle,
                                           seed=cfg.run.seed, rank=rank, world_size=world_size)
-        self.ptx_batches, self.evaluator = ptx_batches, evaluator
+        self.ptx_batches = ptx_batches
         self.rank, self.world_size = rank, world_size
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -230,18 +126,15 @@ class PPOTrainer:
     # set-up
     # ----------------------------------------------------------------------------------------------
 
-    def _trainable(self, module: nn.Module) -> list[nn.Parameter]:
-        return [p for p in module.parameters() if p.requires_grad]
-
     def _value_only_parameters(self) -> list[nn.Parameter]:
         """Critic parameters not already owned by the policy (with a shared trunk: the head only)."""
         policy_ids = {id(p) for p in self.policy.parameters()}
-        return [p for p in self._trainable(self.value_model) if id(p) not in policy_ids]
+        return [p for p in trainable_parameters(self.value_model) if id(p) not in policy_ids]
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         ppo = self.cfg.ppo
         groups = [
-            {"params": self._trainable(self.policy), "lr": ppo.lr, "name": "policy"},
+            {"params": trainable_parameters(self.policy), "lr": ppo.lr, "name": "policy"},
             {"params": self._value_only_parameters(), "lr": ppo.value_lr or ppo.lr, "name": "value"},
         ]
         # fused: one kernel per step instead of a dozen foreach passes over every parameter (as TRL's default)
@@ -293,8 +186,6 @@ class PPOTrainer:
         }
         if self.allreduce_counter is not None:
             metrics["perf/allreduce_mb"] = self.allreduce_counter.take() / 2**20
-        if self.evaluator is not None and cfg.run.eval_every and self.step_count % cfg.run.eval_every == 0:
-            metrics.update(self.evaluator())
         return metrics
 
     def sync_generator(self, seconds: dict[str, float] | None = None) -> None:
@@ -333,9 +224,9 @@ class PPOTrainer:
             rm_score_raw = self.models.reward(rollout.prompts, rollout.response_texts).float().to(mask.device)
             rm_score, transform_stats = self.score_transform(rm_score_raw, rollout.terminated, group)
         with timed(seconds, "perf/reference_s"):
-            logp_ref = reference_logprobs(self.reference, rollout, micro_batch_size=forward_batch)
+            logp_ref = sequence_logprobs(self.reference, rollout, forward_batch_size=forward_batch)
         with timed(seconds, "perf/values_s"):
-            values, bootstrap_value = value_predictions(self.value_model, rollout, micro_batch_size=forward_batch)
+            values, bootstrap_value = value_predictions(self.value_model, rollout, forward_batch_size=forward_batch)
         tis_stats = self._truncated_importance_sampling(rollout) if cfg.ppo.tis_cap else {}
 
         # A truncated row either ends the episode (scored, nothing after it) or is unfinished (its future,
@@ -386,11 +277,11 @@ class PPOTrainer:
         each token by ``min(p_trainer / p_engine, cap)`` (``extras["tis_weights"]``). The engine's
         log-probs move to ``extras["logp_engine"]``."""
         mask = rollout.response_mask
-        logp_trainer = reference_logprobs(self.policy, rollout, micro_batch_size=self.cfg.rollout.forward_batch_size)
+        logp_trainer = sequence_logprobs(self.policy, rollout, forward_batch_size=self.cfg.rollout.forward_batch_size)
         weights = core.truncated_importance_weights(logp_trainer, rollout.logp_old, mask, self.cfg.ppo.tis_cap)
         rollout.extras.update(logp_engine=rollout.logp_old, tis_weights=weights)
         rollout.logp_old = logp_trainer
-        return {"lag/tis_clip_frac": core.masked_mean((weights >= self.cfg.ppo.tis_cap).float(), mask,
+        return {"engine/tis_clip_frac": core.masked_mean((weights >= self.cfg.ppo.tis_cap).float(), mask,
                                                       self.group).item()}
 
     def update(self, rollout: Rollout) -> dict[str, float]:
@@ -405,7 +296,7 @@ class PPOTrainer:
             for minibatch in rollout.minibatches(local_minibatch, self.shuffle_generator):
                 stats = self.minibatch_update(minibatch)
                 ratio_max = max(ratio_max, stats.pop("policy/ratio_max"))
-                logp_gap = stats.pop("lag/engine_logp_gap")
+                logp_gap = stats.pop("engine/logp_gap")
                 if n_updates == 0:  # before any update: the sampler's log-probs vs the trainer's, same weights
                     engine_logp_gap = logp_gap
                 for key, value in stats.items():
@@ -416,7 +307,7 @@ class PPOTrainer:
             if ppo.target_approx_kl is not None and epoch_kl / epoch_updates > ppo.target_approx_kl:
                 break  # approx KL is a global token mean, the same on every rank: all stop together
         metrics = {key: value / n_updates for key, value in totals.items()}
-        metrics["lag/engine_logp_gap"] = engine_logp_gap
+        metrics["engine/logp_gap"] = engine_logp_gap
         ratio_var = metrics.pop("policy/ratio_sq") - metrics["policy/ratio_mean"] ** 2
         metrics["policy/ratio_std"] = math.sqrt(max(ratio_var, 0.0))
         metrics["policy/ratio_max"] = ratio_max
@@ -456,7 +347,7 @@ class PPOTrainer:
         names = sorted(sums)
         totals = all_sum(torch.tensor([sums[n] for n in names], dtype=torch.float64), self.group)
         sums = dict(zip(names, totals.tolist(), strict=True))
-        sums["health/grad_norm"], sums["value/grad_norm"], finite = self._clip_gradients()
+        sums["policy/grad_norm"], sums["value/grad_norm"], finite = self._clip_gradients()
         if finite:
             self.optimizer.step()
         sums["health/nonfinite_updates"] = 0.0 if finite else 1.0  # never apply a NaN/inf update
@@ -487,7 +378,7 @@ class PPOTrainer:
                 "policy/loss": policy_loss.item(),
                 "policy/clip_frac": clip_frac.item(),
                 "policy/approx_kl": core.approx_kl(logp_new, micro.logp_old, mask).item(),
-                "lag/engine_logp_gap": core.masked_mean(
+                "engine/logp_gap": core.masked_mean(
                     (logp_new - extras.get("logp_engine", micro.logp_old)).abs(), mask).item(),
                 "policy/entropy": entropy.item(),
                 "policy/ratio_mean": core.masked_mean(ratio, mask).item(),
@@ -595,278 +486,3 @@ class PPOTrainer:
         self.step_count, self.policy_version = int(state["step"]), int(state["policy_version"])
         self.sync_generator()  # an engine with its own weights gets the restored policy
         self.episodes, self.tokens = int(state["episodes"]), int(state["tokens"])
-
-
-def build_generator(cfg: Config, models: PPOModels) -> Generator:
-    """The rollout engine ``rollout.engine`` names, with the config's sampling settings."""
-    options = {
-        "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature,
-        "top_k": cfg.rollout.top_k, "top_p": cfg.rollout.top_p, "stop_token_ids": cfg.rollout.stop_token_ids,
-        "chat_template": cfg.models.policy.chat_template, "raw_prompts": cfg.data.raw_prompts,
-        "max_prompt_length": cfg.data.max_prompt_length, "truncate_prompts": cfg.data.truncate_prompts,
-    }
-    if cfg.rollout.engine == "vllm":
-        from lmppo.vllm_engine import VLLMGenerator
-
-        if cfg.models.policy.gguf_file or not Path(cfg.models.policy.path).is_dir():
-            raise LmppoError("rollout.engine=vllm loads models.policy.path as a transformers directory; convert a "
-                             "GGUF file first (lmppo.models.cache_gguf_as_transformers)")
-        return VLLMGenerator(models.policy, models.tokenizer, cfg.models.policy.path, seed=cfg.run.seed,
-                             kv_cache_gb=cfg.rollout.vllm_kv_cache_gb, **options)
-    return HFGenerator(models.policy, models.tokenizer, **options)
-
-
-# --------------------------------------------------------------------------------------------------
-# The four models from the config
-# --------------------------------------------------------------------------------------------------
-
-
-def load_models(cfg: Config, device: torch.device) -> PPOModels:
-    """Policy (+ LoRA), reference, reward (model or function) and critic, with identity records."""
-    m = cfg.models
-    policy_source = resolve_source(m.policy.path, m.policy.gguf_file)
-    tokenizer = load_tokenizer(m.policy.path, m.policy.gguf_file, trust_remote_code=m.policy.trust_remote_code)
-    policy = load_causal_lm(m.policy.path, gguf_file=m.policy.gguf_file, dtype=m.policy.dtype,
-                            trust_remote_code=m.policy.trust_remote_code).to(device)
-    policy = with_lora(policy, m.policy_lora)
-    if m.reference is not None:
-        reference_source = resolve_source(m.reference.path, m.reference.gguf_file)
-        reference = freeze(load_causal_lm(m.reference.path, gguf_file=m.reference.gguf_file, dtype=m.reference.dtype,
-                                          trust_remote_code=m.reference.trust_remote_code)).to(device)
-    else:  # the policy's starting weights: adapter-disabled view with LoRA, else a frozen copy
-        reference_source, reference = policy_source, make_reference(policy)
-
-    reward_model, rm_source, rm_tokenizer = None, None, None
-    if cfg.reward.model is not None:
-        r = cfg.reward.model
-        rm_source = resolve_source(r.path, r.gguf_file)
-        rm_tokenizer = load_tokenizer(r.path, r.gguf_file, trust_remote_code=r.trust_remote_code)
-        reward_model = load_reward_model(r.path, gguf_file=r.gguf_file, dtype=r.dtype,
-                                         trust_remote_code=r.trust_remote_code).to(device)
-        reward = RewardModelScorer(reward_model, rm_tokenizer, chat_template=r.chat_template,
-                                   max_length=cfg.reward.max_length, batch_size=cfg.reward.batch_size)
-    else:
-        reward = load_reward_function(cfg.reward.function)
-
-    value = _load_value_model(cfg, policy, reward_model, device)
-    template = m.policy.chat_template
-    identities = {
-        "policy": model_identity("policy", policy, source=policy_source, tokenizer=tokenizer, chat_template=template),
-        "reference": model_identity("reference", reference, source=reference_source, tokenizer=tokenizer,
-                                    chat_template=template, shared_with="policy" if m.reference is None else None),
-        "reward": (model_identity("reward", reward_model, source=rm_source, tokenizer=rm_tokenizer,
-                                  chat_template=cfg.reward.model.chat_template) if reward_model is not None
-                   else {"role": "reward", "function": cfg.reward.function}),
-        "value": model_identity("value", value, shared_with="policy" if value.shared_trunk else None),
-    }
-    identities = {k: v if isinstance(v, dict) else v.to_dict() for k, v in identities.items()}
-    identities["value"]["init_from"] = "policy" if value.shared_trunk else m.value.init_from
-    return PPOModels(policy, reference, value, tokenizer, reward, identities)
-
-
-def _load_value_model(cfg: Config, policy: nn.Module, reward_model: nn.Module | None, device) -> ValueModel:
-    v = cfg.models.value
-    if v.mode == "shared":
-        return ValueModel.shared_trunk(policy).to(device)
-    if v.init_from == "reward":
-        if reward_model is None:
-            raise LmppoError("models.value.init_from=reward needs a reward model (reward.model); "
-                             "with a programmatic reward use models.value.init_from=policy")
-        value = ValueModel.from_reward_model(reward_model)
-    else:
-        value = ValueModel.from_causal_lm(policy)
-    return with_lora(value, v.lora).to(device)
-
-
-# --------------------------------------------------------------------------------------------------
-# A whole run: resume, guards, checkpoints, signals, the final model
-# --------------------------------------------------------------------------------------------------
-
-
-class StopOnSignal:
-    """SIGINT / SIGTERM ask the loop to finish the current step, save and exit cleanly."""
-
-    def __init__(self) -> None:
-        self.requested: str | None = None
-        self._previous: dict = {}
-
-    def __enter__(self) -> StopOnSignal:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise LmppoError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
-    return torch.device(name)
-
-
-def train(
-    cfg: Config,
-    *,
-    resume: bool = False,
-    allow_config_change: bool = False,
-    evaluator_factory: Callable[[PPOModels], Callable[[], dict[str, float]]] | None = None,
-) -> Path:
-    """Run (or resume) PPO as configured; returns the run directory. Raises LmppoError on a guard abort.
-
-    Under ``torchrun`` every rank calls this: data parallel over the process group torchrun describes.
-    """
-    device = resolve_device(cfg.run.device)
-    with distributed_session(device.type) as dist_info:
-        return _train(cfg, device, dist_info, resume, allow_config_change, evaluator_factory)
-
-
-def _train(
-    cfg: Config,
-    device: torch.device,
-    dist_info: DistInfo,
-    resume: bool,
-    allow_config_change: bool,
-    evaluator_factory: Callable[[PPOModels], Callable[[], dict[str, float]]] | None,
-) -> Path:
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    run_dir = Path(cfg.run.output_dir)
-    checkpoint = _checkpoint_to_resume(run_dir, resume)
-    barrier(dist_info.group)  # every rank has looked for a checkpoint before rank 0 writes the first one
-    seed_everything(cfg.run.seed)  # every rank builds the same models (fresh heads, LoRA adapters)
-
-    models = load_models(cfg, device)
-    trainer = PPOTrainer(
-        cfg, models, load_prompts(cfg.data.prompts, cfg.data.split),
-        ptx_batches=_ptx_batches(cfg, models.tokenizer, device, dist_info.rank),
-        evaluator=evaluator_factory(models) if evaluator_factory else None,
-        group=dist_info.group, rank=dist_info.rank, world_size=dist_info.world_size,
-    )
-    if dist_info.world_size > 1:
-        seed_everything(rank_seed(cfg.run.seed, dist_info.rank))  # then each rank samples its own responses
-    guards = Guards(cfg.guards)
-    manifest = {"config": cfg.model_dump(mode="json"), "identities": models.identities,
-                "world_size": dist_info.world_size}
-
-    def save(tag: str) -> Path | None:
-        """Called on every rank (the RNG states are gathered); rank 0 writes. Returns the path on rank 0."""
-        tensors, state = trainer.state_payload()
-        state["guards"] = guards.state_dict()
-        if not dist_info.is_main:
-            return None
-        return save_checkpoint(run_dir / CHECKPOINTS_DIR, trainer.step_count, tensors=tensors, state=state,
-                               manifest=manifest, tag=tag, keep_last=cfg.run.keep_last)
-
-    if checkpoint is not None:
-        differences = check_compatible(checkpoint.manifest, manifest["config"], models.identities,
-                                       allow_config_change, dist_info.world_size)
-        manifest["resumed_with_differences"] = differences
-        trainer.load_state_payload(checkpoint.tensors, checkpoint.state)
-        guards.load_state_dict(checkpoint.state["guards"])
-    else:
-        if dist_info.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(cfg.to_yaml())
-        save("ok")  # step 0: the pre-PPO bundle is the first last-known-good checkpoint
-
-    with (
-        MetricsLogger(run_dir, cfg.logging.sinks, is_main_process=dist_info.is_main, run_name=cfg.logging.run_name,
-                      config=manifest["config"], resume_step=trainer.step_count if checkpoint else None) as logger,
-        ProgressDisplay(cfg.run.steps, quiet=cfg.logging.quiet, start_step=trainer.step_count,
-                        enabled=dist_info.is_main) as progress,
-        StopOnSignal() as stop,
-    ):
-        while trainer.step_count < cfg.run.steps:
-            metrics = reduce_metrics(trainer.step(), dist_info.group)
-            logger.log(trainer.step_count, metrics)
-            progress.update(trainer.step_count, metrics)
-            violation = guards.check(trainer.step_count, metrics)
-            if violation is not None:  # metrics are global, so every rank finds the same violation
-                aborted = save("aborted")
-                raise LmppoError(
-                    f"guard {violation.rule!r} stopped the run at step {trainer.step_count}: {violation.message}\n"
-                    f"The state at the abort is in {aborted}; the last known good checkpoint is "
-                    f"{last_good_checkpoint(run_dir)} (the pre-PPO policy is {cfg.models.policy.path})."
-                )
-            if any_rank(stop.requested is not None, dist_info.group):  # a signal may reach one rank first
-                path = save("interrupted")
-                if dist_info.is_main:
-                    progress.console.print(f"{stop.requested or 'a signal'}: saved {path}; continue with --resume")
-                return run_dir
-            every = cfg.run.checkpoint_every
-            if every and trainer.step_count % every == 0 and trainer.step_count < cfg.run.steps:
-                save("ok")
-    save("ok")
-    if dist_info.is_main:
-        export_final(run_dir / "final", models, cfg)
-    barrier(dist_info.group)  # no rank leaves (and tears the group down) before the final model is written
-    return run_dir
-
-
-def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Checkpoint | None:
-    latest = latest_checkpoint(run_dir)
-    if resume:
-        if latest is None:
-            raise LmppoError(f"--resume: {run_dir} holds no checkpoint to resume; start the run without --resume")
-        return load_checkpoint(latest)
-    if latest is not None:
-        raise LmppoError(
-            f"{run_dir} already holds a run (checkpoint {latest.name}); continue it with --resume, or set "
-            "run.output_dir to a new directory"
-        )
-    return None
-
-
-def _ptx_batches(cfg: Config, tokenizer, device, rank: int = 0) -> Callable[[], dict[str, torch.Tensor]] | None:
-    """PPO-ptx: an endless, seeded stream of SFT batches from data.ptx_demonstrations."""
-    if cfg.data.ptx_demonstrations is None or cfg.ppo.ptx_coef == 0:
-        return None
-    examples = [{"prompt": p, "response": r} for p, r in load_demonstrations(cfg.data.ptx_demonstrations)]
-    rng = random.Random(rank_seed(cfg.run.seed, rank))  # each rank its own demonstrations
-
-    def next_batch() -> dict[str, torch.Tensor]:
-        batch = sft_batch(tokenizer, rng.sample(examples, min(cfg.ppo.ptx_batch_size, len(examples))))
-        return {k: v.to(device) for k, v in batch.items()}
-
-    return next_batch
-
-
-def export_final(out_dir: Path, models: PPOModels, cfg: Config) -> Path:
-    """The trained policy as a plain transformers directory, with our decoding settings and a model card."""
-    policy = models.policy
-    if isinstance(policy, PeftModel):
-        policy = policy.merge_and_unload()  # training is over: fold the adapter into the weights
-    policy.generation_config = GenerationConfig(
-        do_sample=True, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        eos_token_id=sorted({*cfg.rollout.stop_token_ids, models.tokenizer.eos_token_id} - {None}),
-        pad_token_id=models.tokenizer.pad_token_id,
-    )
-    policy.save_pretrained(out_dir)
-    models.tokenizer.save_pretrained(out_dir)
-    reward = cfg.reward.model.path if cfg.reward.model else f"the function {cfg.reward.function}"
-    kl = (f"adaptive, target {cfg.kl.target} nats, horizon {cfg.kl.horizon}" if cfg.kl.adaptive
-          else f"fixed beta = {cfg.kl.beta}")
-    (out_dir / "README.md").write_text(
-        f"# PPO policy trained with lmppo\n\n"
-        f"- Started from: `{cfg.models.policy.path}` (reference: the starting weights)\n"
-        f"- Reward: {reward}; preprocessing: missing-EOS penalty {cfg.reward.missing_eos_penalty}, "
-        f"clip {cfg.reward.clip}, normalize {cfg.reward.normalize}\n"
-        f"- KL: {cfg.kl.estimator} estimator per token in the reward, {kl}\n"
-        f"- PPO: {cfg.run.steps} steps of {cfg.rollout.batch_size} prompts, {cfg.ppo.ppo_epochs} epochs, "
-        f"clip {cfg.ppo.clip_eps}, gamma {cfg.ppo.gamma}, lambda {cfg.ppo.lam}, lr {cfg.ppo.lr}\n"
-        f"- Decoding it was trained with (in generation_config.json): temperature {cfg.rollout.temperature}, "
-        f"top_k {cfg.rollout.top_k}, top_p {cfg.rollout.top_p}, max_new_tokens {cfg.rollout.max_new_tokens}\n\n"
-        "The evaluated artifact is these weights *with* that decoding and that reward preprocessing.\n"
-    )
-    return out_dir

@@ -19,7 +19,6 @@ transformers), runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and is see
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
 
 import torch
@@ -81,20 +80,18 @@ class VLLMGenerator(HFGenerator):
             logprobs=0, detokenize=False,
         )
         self.synced_version = 0
-        self.last_sync_s = 0.0
 
     def generate(self, prompts, policy_version: int):
         """Sample with the engine; the rollout records the version the engine holds, not the trainer's."""
         return super().generate(prompts, policy_version=self.synced_version)
 
     def sync_weights(self, policy: nn.Module, policy_version: int) -> None:
-        """Push ``policy``'s weights into the engine and drop every cached KV block."""
-        started = time.perf_counter()
+        """Push ``policy``'s weights into the engine and drop every cached KV block (the trainer times it:
+        ``perf/weight_sync_s``)."""
         weights = policy_weights(policy)
         self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
         self.engine.reset_prefix_cache()
         self.synced_version = policy_version
-        self.last_sync_s = time.perf_counter() - started
 
     def _sample(self, query_ids: torch.Tensor, query_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from vllm.inputs import TokensPrompt

@@ -1,4 +1,4 @@
-"""A run you can trust: exact resume, guard aborts keeping the last good checkpoint, SIGTERM/SIGKILL."""
+"""A whole run (lmppo.run): exact resume, guard aborts keeping the last good checkpoint, SIGTERM/SIGKILL."""
 
 import json
 import os
@@ -10,34 +10,18 @@ import time
 import pytest
 import torch
 import yaml
-from test_trainer import run_cli, run_files  # noqa: F401  (fixture)
+from helpers import comparable, run_cli, write_config
 
 from lmppo.checkpoint import last_good_checkpoint, latest_checkpoint, load_checkpoint
 from lmppo.metrics import read_metrics
-
-UNTIMED = ("perf/", "lag/rollout_age_s")
-
-
-def comparable(records):
-    return [{k: v for k, v in r.items() if k != "time" and not k.startswith(UNTIMED)} for r in records]
-
 
 def policy_tensors(run_dir):
     return load_checkpoint(latest_checkpoint(run_dir)).tensors["policy"]
 
 
-def write_config(path, **sections):
-    config = yaml.safe_load(path.read_text())
-    for section, values in sections.items():
-        config.setdefault(section, {}).update(values)
-    out = path.parent / f"config-{len(list(path.parent.glob('config-*')))}.yaml"
-    out.write_text(yaml.safe_dump(config))
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_resume_is_exact(run_files, lora):  # noqa: F811
+def test_resume_is_exact(run_files, lora):
     """N steps in one go == k steps, stop, resume for N-k: same metrics, bit-identical weights."""
     models = {"policy_lora": {"enabled": True, "r": 4, "alpha": 8}} if lora else {}
     straight = write_config(run_files, run={"steps": 4, "output_dir": str(run_files.parent / "straight")},
@@ -58,7 +42,7 @@ def test_resume_is_exact(run_files, lora):  # noqa: F811
     assert all(torch.equal(value_a[k], value_b[k]) for k in value_a)
 
 
-def test_resume_refuses_a_changed_config_unless_allowed(run_files):  # noqa: F811
+def test_resume_refuses_a_changed_config_unless_allowed(run_files):
     assert run_cli("ppo", str(run_files)) == 0
     run_dir = run_files.parent / "run"
     assert run_cli("ppo", "--resume", str(run_dir), "run.steps=3", "ppo.lr=0.5") == 2
@@ -68,7 +52,7 @@ def test_resume_refuses_a_changed_config_unless_allowed(run_files):  # noqa: F81
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
 
 
-def test_nan_reward_aborts_and_keeps_the_last_good_checkpoint(run_files, capsys):  # noqa: F811
+def test_nan_reward_aborts_and_keeps_the_last_good_checkpoint(run_files, capsys):
     config = write_config(run_files, reward={"function": "nan_reward:score"}, run={"steps": 5, "checkpoint_every": 1},
                           guards={"nonfinite_patience": 2})
     (run_files.parent / "nan_reward.py").write_text(
@@ -111,7 +95,7 @@ def _wait_for_step(run_dir, step, proc, timeout=120):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_resume_continues(run_files):  # noqa: F811
+def test_sigterm_saves_and_resume_continues(run_files):
     config = write_config(run_files, run={"steps": 40})
     run_dir = run_files.parent / "run"
     proc = _start_run(config)
@@ -127,7 +111,7 @@ def test_sigterm_saves_and_resume_continues(run_files):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_moments_always_resumes_from_an_intact_checkpoint(run_files):  # noqa: F811
+def test_sigkill_at_random_moments_always_resumes_from_an_intact_checkpoint(run_files):
     """Kill -9 during training and during checkpoint writes (one every step); each resume finds an intact one."""
     config = write_config(run_files, run={"steps": 200, "checkpoint_every": 1, "keep_last": 2})
     run_dir = run_files.parent / "run"

@@ -1,0 +1,136 @@
+"""Everything a run is built from its config, once: the four models with their identity records, the
+reward (a learned reward model with its own tokenizer and template, or a function), and the rollout
+engine with its sampling settings (:func:`generator_options`, shared by training and evaluation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lmppo.config import Config, RewardConfig
+from lmppo.errors import LmppoError
+from lmppo.models import (
+    ValueModel,
+    freeze,
+    load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
+    make_reference,
+    model_identity,
+    resolve_source,
+    with_lora,
+)
+from lmppo.rollout import Generator, HFGenerator
+from lmppo.scoring import RewardFunction, RewardModelScorer, load_reward_function
+
+
+@dataclass
+class PPOModels:
+    """The four models of a run (the reward is a learned RM wrapped as a function, or a program)."""
+
+    policy: nn.Module
+    reference: nn.Module
+    value: nn.Module
+    tokenizer: object
+    reward: RewardFunction
+    identities: dict[str, dict] = field(default_factory=dict)
+
+
+@dataclass
+class LoadedReward:
+    """The configured reward: the scoring function, the frozen reward model behind it (None for a
+    programmatic reward; a critic may start from it) and its identity record."""
+
+    reward: RewardFunction
+    model: nn.Module | None
+    identity: dict
+
+
+def load_reward(reward_cfg: RewardConfig, device: torch.device | str = "cpu") -> LoadedReward:
+    """``reward.model`` (scored with its own tokenizer and chat template) or ``reward.function``."""
+    if reward_cfg.model is None:
+        return LoadedReward(load_reward_function(reward_cfg.function), None,
+                            {"role": "reward", "function": reward_cfg.function})
+    spec = reward_cfg.model
+    tokenizer = load_tokenizer(spec)
+    model = load_reward_model(spec).to(device)
+    scorer = RewardModelScorer(model, tokenizer, chat_template=spec.chat_template,
+                               max_length=reward_cfg.max_length, batch_size=reward_cfg.batch_size)
+    identity = model_identity("reward", model, source=resolve_source(spec.path, spec.gguf_file), tokenizer=tokenizer,
+                              chat_template=spec.chat_template).to_dict()
+    return LoadedReward(scorer, model, identity)
+
+
+def load_value_model(cfg: Config, policy: nn.Module, reward_model: nn.Module | None, device) -> ValueModel:
+    """The critic ``models.value`` describes: a head on the policy's trunk, or a separate network."""
+    v = cfg.models.value
+    if v.mode == "shared":
+        return ValueModel.shared_trunk(policy).to(device)
+    if v.init_from == "reward":
+        if reward_model is None:
+            raise LmppoError("models.value.init_from=reward needs a reward model (reward.model); "
+                             "with a programmatic reward use models.value.init_from=policy")
+        value = ValueModel.from_reward_model(reward_model)
+    else:
+        value = ValueModel.from_causal_lm(policy)
+    return with_lora(value, v.lora).to(device)
+
+
+def load_models(cfg: Config, device: torch.device) -> PPOModels:
+    """Policy (+ LoRA), reference, reward (model or function) and critic, with identity records.
+
+    The order is fixed: LoRA adapters and fresh heads draw their initial weights from the global RNG.
+    """
+    m = cfg.models
+    policy_source = resolve_source(m.policy.path, m.policy.gguf_file)
+    tokenizer = load_tokenizer(m.policy)
+    policy = with_lora(load_causal_lm(m.policy).to(device), m.policy_lora)
+    if m.reference is not None:
+        reference_source = resolve_source(m.reference.path, m.reference.gguf_file)
+        reference = freeze(load_causal_lm(m.reference)).to(device)
+    else:  # the policy's starting weights: adapter-disabled view with LoRA, else a frozen copy
+        reference_source, reference = policy_source, make_reference(policy)
+    reward = load_reward(cfg.reward, device)
+    value = load_value_model(cfg, policy, reward.model, device)
+
+    template = m.policy.chat_template
+    identities = {
+        "policy": model_identity("policy", policy, source=policy_source, tokenizer=tokenizer,
+                                 chat_template=template).to_dict(),
+        "reference": model_identity("reference", reference, source=reference_source, tokenizer=tokenizer,
+                                    chat_template=template,
+                                    shared_with="policy" if m.reference is None else None).to_dict(),
+        "reward": reward.identity,
+        "value": model_identity("value", value, shared_with="policy" if value.shared_trunk else None).to_dict(),
+    }
+    identities["value"]["init_from"] = "policy" if value.shared_trunk else m.value.init_from
+    return PPOModels(policy, reference, value, tokenizer, reward.reward, identities)
+
+
+def generator_options(cfg: Config) -> dict:
+    """:class:`~lmppo.rollout.HFGenerator`'s keywords from the config: how training samples, and so how
+    every evaluation of the policy samples too."""
+    r = cfg.rollout
+    return {
+        "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p,
+        "stop_token_ids": r.stop_token_ids, "chat_template": cfg.models.policy.chat_template,
+        "raw_prompts": cfg.data.raw_prompts, "max_prompt_length": cfg.data.max_prompt_length,
+        "truncate_prompts": cfg.data.truncate_prompts,
+    }
+
+
+def build_generator(cfg: Config, models: PPOModels) -> Generator:
+    """The rollout engine ``rollout.engine`` names, with the config's sampling settings."""
+    if cfg.rollout.engine == "vllm":
+        from lmppo.vllm_engine import VLLMGenerator  # vLLM lives in its own environment
+
+        if cfg.models.policy.gguf_file or not Path(cfg.models.policy.path).is_dir():
+            raise LmppoError("rollout.engine=vllm loads models.policy.path as a transformers directory; convert a "
+                             "GGUF file first (lmppo.models.cache_gguf_as_transformers)")
+        return VLLMGenerator(models.policy, models.tokenizer, cfg.models.policy.path, seed=cfg.run.seed,
+                             kv_cache_gb=cfg.rollout.vllm_kv_cache_gb, **generator_options(cfg))
+    return HFGenerator(models.policy, models.tokenizer, **generator_options(cfg))

@@ -1,0 +1,231 @@
+"""A whole PPO run: build it from the config, resume it, step it, guard it, checkpoint it, stop it on a
+signal, and export the final policy. :class:`lmppo.trainer.PPOTrainer` is the step; this is the loop.
+
+Under ``torchrun`` every rank runs :func:`train`: data parallel over the process group torchrun describes.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from transformers import GenerationConfig
+
+from lmppo.build import PPOModels, load_models
+from lmppo.checkpoint import (
+    CHECKPOINTS_DIR,
+    Checkpoint,
+    check_compatible,
+    last_good_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from lmppo.config import Config
+from lmppo.data import load_demonstrations, load_prompts
+from lmppo.distributed import DistInfo, any_rank, barrier, distributed_session, rank_seed, seed_everything
+from lmppo.errors import LmppoError
+from lmppo.guards import Guards
+from lmppo.metrics import MetricsLogger, ProgressDisplay, reduce_metrics
+from lmppo.sft import sft_batch
+from lmppo.trainer import PPOTrainer
+
+Evaluator = Callable[[], dict[str, float]]  # held-out eval/* metrics of the current policy
+
+
+class StopOnSignal:
+    """SIGINT / SIGTERM ask the loop to finish the current step, save and exit cleanly."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise LmppoError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+    return torch.device(name)
+
+
+def train(
+    cfg: Config,
+    *,
+    resume: bool = False,
+    allow_config_change: bool = False,
+    evaluator_factory: Callable[[PPOModels], Evaluator] | None = None,
+) -> Path:
+    """Run (or resume) PPO as configured; returns the run directory. Raises LmppoError on a guard abort.
+
+    ``evaluator_factory(models)`` gives the held-out evaluation run every ``run.eval_every`` steps; its
+    ``eval/*`` metrics join that step's record (and the ``reward_without_eval`` guard).
+    """
+    device = resolve_device(cfg.run.device)
+    with distributed_session(device.type) as dist_info:
+        return _train(cfg, device, dist_info, resume, allow_config_change, evaluator_factory)
+
+
+def _train(
+    cfg: Config,
+    device: torch.device,
+    dist_info: DistInfo,
+    resume: bool,
+    allow_config_change: bool,
+    evaluator_factory: Callable[[PPOModels], Evaluator] | None,
+) -> Path:
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    run_dir = Path(cfg.run.output_dir)
+    checkpoint = _checkpoint_to_resume(run_dir, resume)
+    barrier(dist_info.group)  # every rank has looked for a checkpoint before rank 0 writes the first one
+    seed_everything(cfg.run.seed)  # every rank builds the same models (fresh heads, LoRA adapters)
+
+    models = load_models(cfg, device)
+    trainer = PPOTrainer(
+        cfg, models, load_prompts(cfg.data.prompts, cfg.data.split),
+        ptx_batches=ptx_batches(cfg, models.tokenizer, device, dist_info.rank),
+        group=dist_info.group, rank=dist_info.rank, world_size=dist_info.world_size,
+    )
+    evaluator = evaluator_factory(models) if evaluator_factory else None
+    if dist_info.world_size > 1:
+        seed_everything(rank_seed(cfg.run.seed, dist_info.rank))  # then each rank samples its own responses
+    guards = Guards(cfg.guards)
+    manifest = {"config": cfg.model_dump(mode="json"), "identities": models.identities,
+                "world_size": dist_info.world_size}
+
+    def save(tag: str) -> Path | None:
+        """Called on every rank (the RNG states are gathered); rank 0 writes. Returns the path on rank 0."""
+        tensors, state = trainer.state_payload()
+        state["guards"] = guards.state_dict()
+        if not dist_info.is_main:
+            return None
+        return save_checkpoint(run_dir / CHECKPOINTS_DIR, trainer.step_count, tensors=tensors, state=state,
+                               manifest=manifest, tag=tag, keep_last=cfg.run.keep_last)
+
+    if checkpoint is not None:
+        differences = check_compatible(checkpoint.manifest, manifest["config"], models.identities,
+                                       allow_config_change, dist_info.world_size)
+        manifest["resumed_with_differences"] = differences
+        trainer.load_state_payload(checkpoint.tensors, checkpoint.state)
+        guards.load_state_dict(checkpoint.state["guards"])
+    else:
+        if dist_info.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        save("ok")  # step 0: the pre-PPO bundle is the first last-known-good checkpoint
+
+    with (
+        MetricsLogger(run_dir, cfg.logging.sinks, is_main_process=dist_info.is_main, run_name=cfg.logging.run_name,
+                      config=manifest["config"], resume_step=trainer.step_count if checkpoint else None) as logger,
+        ProgressDisplay(cfg.run.steps, quiet=cfg.logging.quiet, start_step=trainer.step_count,
+                        enabled=dist_info.is_main) as progress,
+        StopOnSignal() as stop,
+    ):
+        while trainer.step_count < cfg.run.steps:
+            metrics = trainer.step()
+            if evaluator is not None and cfg.run.eval_every and trainer.step_count % cfg.run.eval_every == 0:
+                metrics.update(evaluator())  # in its own RNG stream: the training draws stay as they were
+            metrics = reduce_metrics(metrics, dist_info.group)
+            logger.log(trainer.step_count, metrics)
+            progress.update(trainer.step_count, metrics)
+            violation = guards.check(trainer.step_count, metrics)
+            if violation is not None:  # metrics are global, so every rank finds the same violation
+                aborted = save("aborted")
+                raise LmppoError(
+                    f"guard {violation.rule!r} stopped the run at step {trainer.step_count}: {violation.message}\n"
+                    f"The state at the abort is in {aborted}; the last known good checkpoint is "
+                    f"{last_good_checkpoint(run_dir)} (the pre-PPO policy is {cfg.models.policy.path})."
+                )
+            if any_rank(stop.requested is not None, dist_info.group):  # a signal may reach one rank first
+                path = save("interrupted")
+                if dist_info.is_main:
+                    progress.console.print(f"{stop.requested or 'a signal'}: saved {path}; continue with --resume")
+                return run_dir
+            every = cfg.run.checkpoint_every
+            if every and trainer.step_count % every == 0 and trainer.step_count < cfg.run.steps:
+                save("ok")
+    save("ok")
+    if dist_info.is_main:
+        export_final(run_dir / "final", models, cfg)
+    barrier(dist_info.group)  # no rank leaves (and tears the group down) before the final model is written
+    return run_dir
+
+
+def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Checkpoint | None:
+    latest = latest_checkpoint(run_dir)
+    if resume:
+        if latest is None:
+            raise LmppoError(f"--resume: {run_dir} holds no checkpoint to resume; start the run without --resume")
+        return load_checkpoint(latest)
+    if latest is not None:
+        raise LmppoError(
+            f"{run_dir} already holds a run (checkpoint {latest.name}); continue it with --resume, or set "
+            "run.output_dir to a new directory"
+        )
+    return None
+
+
+def ptx_batches(cfg: Config, tokenizer, device, rank: int = 0) -> Callable[[], dict[str, torch.Tensor]] | None:
+    """PPO-ptx: an endless, seeded stream of SFT batches from data.ptx_demonstrations."""
+    if cfg.data.ptx_demonstrations is None or cfg.ppo.ptx_coef == 0:
+        return None
+    examples = [{"prompt": p, "response": r} for p, r in load_demonstrations(cfg.data.ptx_demonstrations)]
+    rng = random.Random(rank_seed(cfg.run.seed, rank))  # each rank its own demonstrations
+
+    def next_batch() -> dict[str, torch.Tensor]:
+        batch = sft_batch(tokenizer, rng.sample(examples, min(cfg.ppo.ptx_batch_size, len(examples))))
+        return {k: v.to(device) for k, v in batch.items()}
+
+    return next_batch
+
+
+def export_final(out_dir: Path, models: PPOModels, cfg: Config) -> Path:
+    """The trained policy as a plain transformers directory, with our decoding settings and a model card."""
+    policy = models.policy
+    if isinstance(policy, PeftModel):
+        policy = policy.merge_and_unload()  # training is over: fold the adapter into the weights
+    policy.generation_config = GenerationConfig(
+        do_sample=True, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        eos_token_id=sorted({*cfg.rollout.stop_token_ids, models.tokenizer.eos_token_id} - {None}),
+        pad_token_id=models.tokenizer.pad_token_id,
+    )
+    policy.save_pretrained(out_dir)
+    models.tokenizer.save_pretrained(out_dir)
+    reward = cfg.reward.model.path if cfg.reward.model else f"the function {cfg.reward.function}"
+    kl = (f"adaptive, target {cfg.kl.target} nats, horizon {cfg.kl.horizon}" if cfg.kl.adaptive
+          else f"fixed beta = {cfg.kl.beta}")
+    (out_dir / "README.md").write_text(
+        f"# PPO policy trained with lmppo\n\n"
+        f"- Started from: `{cfg.models.policy.path}` (reference: the starting weights)\n"
+        f"- Reward: {reward}; preprocessing: missing-EOS penalty {cfg.reward.missing_eos_penalty}, "
+        f"clip {cfg.reward.clip}, normalize {cfg.reward.normalize}\n"
+        f"- KL: {cfg.kl.estimator} estimator per token in the reward, {kl}\n"
+        f"- PPO: {cfg.run.steps} steps of {cfg.rollout.batch_size} prompts, {cfg.ppo.ppo_epochs} epochs, "
+        f"clip {cfg.ppo.clip_eps}, gamma {cfg.ppo.gamma}, lambda {cfg.ppo.lam}, lr {cfg.ppo.lr}\n"
+        f"- Decoding it was trained with (in generation_config.json): temperature {cfg.rollout.temperature}, "
+        f"top_k {cfg.rollout.top_k}, top_p {cfg.rollout.top_p}, max_new_tokens {cfg.rollout.max_new_tokens}\n\n"
+        "The evaluated artifact is these weights *with* that decoding and that reward preprocessing.\n"
+    )
+    return out_dir

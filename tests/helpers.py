@@ -1,0 +1,203 @@
+"""What several test modules build: tiny word-level tokenizers and Llamas, the seeds' toy reward, a toy
+trainer, config files and the CLI. Fixtures that wrap these live in ``conftest.py``.
+
+Nothing is downloaded. Models are 2-layer Llamas with hidden size 32, so a forward pass takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import yaml
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from lmppo.build import PPOModels
+from lmppo.config import load_config
+from lmppo.distributed import seed_everything
+from lmppo.models import ValueModel, make_reference
+from lmppo.scoring import load_reward_function
+from lmppo.trainer import PPOTrainer
+
+WORDS = [
+    "good",
+    "bad",
+    "fine",
+    "nice",
+    "cat",
+    "dog",
+    "sun",
+    "rain",
+    "tree",
+    "bird",
+    "a",
+    "the",
+    "is",
+    "very",
+    "happy",
+    "sad",
+    "tell",
+    "me",
+    "about",
+    "write",
+    "short",
+    "story",
+    "poem",
+    "day",
+    "night",
+    "red",
+    "blue",
+    "one",
+    "two",
+    "three",
+    "and",
+    "or",
+    "not",
+    "it",
+    "was",
+]
+POLICY_SPECIALS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>", "<unk>"]
+# Turns end with EOS, as in ChatML-style templates (so with pad == EOS the prompt holds pad-id tokens).
+POLICY_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<|user|>' if m['role'] == 'user' else '<|assistant|>' }} {{ m['content'] }} {{ eos_token }} "
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# The reward model's own, different special tokens and template.
+REWARD_SPECIALS = ["[PAD]", "[EOS]", "[Q]", "[A]", "<unk>"]
+REWARD_TEMPLATE = "{% for m in messages %}{{ '[Q]' if m['role'] == 'user' else '[A]' }} {{ m['content'] }} {% endfor %}{{ eos_token }}"
+
+
+def build_tokenizer(
+    specials: list[str],
+    words: list[str],
+    *,
+    pad: str,
+    eos: str,
+    bos: str | None = None,
+    chat_template: str | None = None,
+) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer: ids are ``specials + words`` in order."""
+    vocab = {token: i for i, token in enumerate(specials + words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    extra = [t for t in specials if t not in {pad, eos, bos, "<unk>"}]
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=pad,
+        eos_token=eos,
+        bos_token=bos,
+        unk_token="<unk>",
+        extra_special_tokens=extra,
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def llama_config(tokenizer, **overrides) -> LlamaConfig:
+    settings = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "tie_word_embeddings": False,
+    }
+    return LlamaConfig(**{**settings, **overrides})
+
+
+def boost_token(model: LlamaForCausalLM, token_id: int, logit: float) -> LlamaForCausalLM:
+    """Add ``logit`` to one vocabulary entry's logit everywhere (a biased output layer)."""
+    head = model.lm_head
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    biased.weight.data.copy_(head.weight.data)
+    biased.bias.data.zero_()
+    biased.bias.data[token_id] = logit
+    model.lm_head = biased
+    return model
+
+
+
+# --------------------------------------------------------------------------------------------------
+# The seeds' toy reward and a toy PPO trainer
+# --------------------------------------------------------------------------------------------------
+
+
+def count_good(prompts: Sequence, responses: Sequence[str]) -> list[float]:
+    """The seeds' toy reward: how many times the word "good" occurs in each response (any case)."""
+    return [float(len(re.findall(r"\bgood\b", response.lower()))) for response in responses]
+
+
+# ``reward.function`` naming count_good by file, so runs in subprocesses (torchrun, signals) find it too
+COUNT_GOOD = f"{Path(__file__).resolve()}:count_good"
+PROMPTS = ["tell me about the cat", "write a short poem", "tell me a story", "the day was very happy"]
+BASE = {
+    "models": {"policy": {"path": "unused"}, "value": {"init_from": "policy"}},
+    "reward": {"function": COUNT_GOOD},
+    "data": {"prompts": "unused"},
+}
+
+
+def toy_models(seed: int = 0, head_scale: float = 0.01) -> PPOModels:
+    """A tiny Llama whose next-token distribution is near uniform (the seeds' near-uniform reference)."""
+    tokenizer = build_tokenizer(POLICY_SPECIALS, list(WORDS), pad="<pad>", eos="</s>", bos="<s>",
+                                chat_template=POLICY_TEMPLATE)
+    torch.manual_seed(seed)
+    policy = LlamaForCausalLM(llama_config(tokenizer))
+    with torch.no_grad():
+        policy.lm_head.weight.mul_(head_scale)
+    reward = load_reward_function(COUNT_GOOD)
+    return PPOModels(policy, make_reference(policy), ValueModel.from_causal_lm(policy), tokenizer, reward)
+
+
+def toy_trainer(*overrides: str, models: PPOModels | None = None, **kwargs) -> PPOTrainer:
+    cfg = load_config(base=BASE, overrides=[
+        "rollout.max_new_tokens=8", "rollout.batch_size=8", "ppo.minibatch_size=4", "ppo.ppo_epochs=2",
+        "ppo.lr=3e-3", *overrides])
+    seed_everything(cfg.run.seed)
+    return PPOTrainer(cfg, models or toy_models(), PROMPTS * 4, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Runs through the CLI
+# --------------------------------------------------------------------------------------------------
+
+UNTIMED = ("perf/", "lag/rollout_age_s")
+
+
+def comparable(records):
+    """Metric records without wall-clock figures: what two runs of the same config must agree on."""
+    return [{k: v for k, v in r.items() if k != "time" and not k.startswith(UNTIMED)} for r in records]
+
+
+def write_config(path, **sections):
+    """A copy of the config at ``path`` with ``sections``' keys updated, beside it; returns its path."""
+    config = yaml.safe_load(path.read_text())
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    out = path.parent / f"config-{len(list(path.parent.glob('config-*')))}.yaml"
+    out.write_text(yaml.safe_dump(config))
+    return out
+
+
+def run_cli(*args: str) -> int:
+    """``lmppo ARGS`` in this process; returns the exit code."""
+    from lmppo.cli import main
+
+    argv, sys.argv = sys.argv, ["lmppo", *args]
+    try:
+        main()
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    finally:
+        sys.argv = argv
+    return 0
