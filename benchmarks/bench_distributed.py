@@ -35,7 +35,9 @@ HERE = Path(__file__).resolve().parent
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quickstart-dir", type=Path, default=None, help="a finished `lmppo quickstart --out DIR`")
+    p.add_argument(
+        "--quickstart-dir", type=Path, default=None, help="a finished `lmppo quickstart --out DIR`"
+    )
     p.add_argument("--config", type=Path, default=None, help="any PPO config instead of the quickstart's")
     p.add_argument("--procs", default="1,2", help="comma-separated process counts (1 = no launcher)")
     p.add_argument("--steps", type=int, default=8, help="PPO steps per run")
@@ -54,24 +56,40 @@ def ppo_config(args) -> Path:
     if not config.is_file():
         print(f"building a fast quickstart in {root} (SFT policy and reward model) ...", file=sys.stderr)
         shutil.rmtree(root, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "lmppo", "quickstart", "--fast", "--out", str(root)], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "lmppo", "quickstart", "--fast", "--out", str(root)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return config
 
 
 def run_ppo(args, config: Path, procs: int, out: Path) -> dict:
     """One PPO run of ``args.steps`` steps on ``procs`` processes; figures from its metrics after warm-up."""
     shutil.rmtree(out, ignore_errors=True)
-    ppo = ["-m", "lmppo", "ppo", str(config), f"run.output_dir={out}", f"run.steps={args.steps}",
-           "run.eval_every=0", "run.checkpoint_every=0", "--quiet"]
-    launcher = [] if procs == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
+    ppo = [
+        "-m",
+        "lmppo",
+        "ppo",
+        str(config),
+        f"run.output_dir={out}",
+        f"run.steps={args.steps}",
+        "run.eval_every=0",
+        "run.checkpoint_every=0",
+        "--quiet",
+    ]
+    launcher = (
+        [] if procs == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
+    )
     # One process uses torch's default threads (one per core); torchrun gives each rank one (OMP_NUM_THREADS=1).
     env = dict(os.environ)
     if procs > 1:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // procs)))
     load = os.getloadavg()[0]
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, *launcher, *ppo], capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run(
+        [sys.executable, *launcher, *ppo], capture_output=True, text=True, env=env, check=False
+    )
     if done.returncode != 0:
         sys.exit(f"{procs}-process run failed:\n{done.stderr[-4000:]}")
     wall_s = time.perf_counter() - started
@@ -99,8 +117,8 @@ def batch_size(config: Path) -> int:
 
 def trainable_parameters(config: Path) -> int:
     """Policy + separate critic parameters the quickstart trains (what DDP all-reduces)."""
-    from lmppo.config import load_config
     from lmppo.build import load_models
+    from lmppo.config import load_config
 
     models = load_models(load_config(config), torch.device("cpu"))
     params = {id(p): p for m in (models.policy, models.value) for p in m.parameters() if p.requires_grad}
@@ -115,31 +133,52 @@ def main(argv=None) -> None:
     for repeat in range(args.repeats):
         for procs in counts if repeat % 2 == 0 else counts[::-1]:
             runs[procs].append(run_ppo(args, config, procs, args.work_dir / f"ppo-{procs}"))
-            print(f"  {procs} process(es) #{repeat + 1}: {runs[procs][-1]['seconds_per_step']:.3f} s/step",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  {procs} process(es) #{repeat + 1}: {runs[procs][-1]['seconds_per_step']:.3f} s/step",
+                file=sys.stderr,
+                flush=True,
+            )
     params = trainable_parameters(config)
     results = {}
     for procs, reps in runs.items():
         results[procs] = {key: round(statistics.median(r[key] for r in reps), 4) for key in reps[0]}
         results[procs]["expected_allreduce_mb_per_step"] = (
-            0.0 if procs == 1 else round(params * 4 * results[procs]["updates_per_step"] / 2**20, 2))
+            0.0 if procs == 1 else round(params * 4 * results[procs]["updates_per_step"] / 2**20, 2)
+        )
 
     base = results[counts[0]]["seconds_per_step"]
     print(f"{config}: {batch_size(config)} prompts per step, {params / 1e6:.2f} M trainable parameters")
-    print(f"{'procs':>5} {'s/step':>8} {'x 1 proc':>8} {'tok/s':>8} {'rollout s':>9} {'score s':>8} "
-          f"{'update s':>8} {'all-reduce MB/step':>18} {'expected MB':>11} {'threads/proc':>12}")
+    print(
+        f"{'procs':>5} {'s/step':>8} {'x 1 proc':>8} {'tok/s':>8} {'rollout s':>9} {'score s':>8} "
+        f"{'update s':>8} {'all-reduce MB/step':>18} {'expected MB':>11} {'threads/proc':>12}"
+    )
     for procs, r in results.items():
-        print(f"{procs:>5} {r['seconds_per_step']:>8.3f} {r['seconds_per_step'] / base:>8.2f} "
-              f"{r['tokens_per_second']:>8.0f} {r['rollout_seconds']:>9.3f} {r['score_seconds']:>8.3f} "
-              f"{r['update_seconds']:>8.3f} {r['allreduce_mb_per_step']:>18.2f} "
-              f"{r['expected_allreduce_mb_per_step']:>11.2f} {r['threads_per_process']:>12}")
-    print(json.dumps({
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-        "settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "config": str(config)},
-        "trainable_parameters": params,
-        "results": results,
-    }))
+        print(
+            f"{procs:>5} {r['seconds_per_step']:>8.3f} {r['seconds_per_step'] / base:>8.2f} "
+            f"{r['tokens_per_second']:>8.0f} {r['rollout_seconds']:>9.3f} {r['score_seconds']:>8.3f} "
+            f"{r['update_seconds']:>8.3f} {r['allreduce_mb_per_step']:>18.2f} "
+            f"{r['expected_allreduce_mb_per_step']:>11.2f} {r['threads_per_process']:>12}"
+        )
+    print(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "machine": {
+                    "cpu_count": os.cpu_count(),
+                    "platform": platform.platform(),
+                    "torch": torch.__version__,
+                },
+                "settings": {
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                    "repeats": args.repeats,
+                    "config": str(config),
+                },
+                "trainable_parameters": params,
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch
 
-from lmppo.config import load_config
 from lmppo.build import build_generator, load_models
+from lmppo.config import load_config
 from lmppo.distributed import seed_everything
 from lmppo.trainer import PPOTrainer
 
@@ -59,7 +59,9 @@ def tiny_model(work_dir: Path) -> Path:
         world = build_toy_world(work_dir / "world", seed=0)
         tokenizer = load_tokenizer(world.policy_dir)
         torch.manual_seed(0)
-        LlamaForCausalLM(tiny_llama_config(tokenizer, hidden_size=256, num_layers=4, num_heads=4)).save_pretrained(out)
+        LlamaForCausalLM(
+            tiny_llama_config(tokenizer, hidden_size=256, num_layers=4, num_heads=4)
+        ).save_pretrained(out)
         tokenizer.save_pretrained(out)
     return out
 
@@ -74,21 +76,35 @@ def smollm2_model() -> Path:
 
 
 def config_for(name: str, model_dir: Path, args, engine: str, out: Path):
-    lora = {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"} if name == "smollm2" else {}
-    return load_config(base={
-        "models": {"policy": {"path": str(model_dir)}, "policy_lora": lora or {"enabled": False},
-                   "value": {"mode": "shared"}},
-        "reward": {"function": f"{ROOT / 'examples/smollm2/judge.py'}:reward", "missing_eos_penalty": 1.0},
-        "data": {"prompts": str(PROMPTS)},
-        "rollout": {"engine": engine, "batch_size": args.batch, "max_new_tokens": args.new_tokens,
-                    "temperature": 0.7},
-        "ppo": {"minibatch_size": args.batch // 2, "ppo_epochs": 2, "lr": 1e-4},
-        "run": {"output_dir": str(out), "steps": args.steps, "seed": 0},
-    })
+    lora = (
+        {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"} if name == "smollm2" else {}
+    )
+    return load_config(
+        base={
+            "models": {
+                "policy": {"path": str(model_dir)},
+                "policy_lora": lora or {"enabled": False},
+                "value": {"mode": "shared"},
+            },
+            "reward": {
+                "function": f"{ROOT / 'examples/smollm2/judge.py'}:reward",
+                "missing_eos_penalty": 1.0,
+            },
+            "data": {"prompts": str(PROMPTS)},
+            "rollout": {
+                "engine": engine,
+                "batch_size": args.batch,
+                "max_new_tokens": args.new_tokens,
+                "temperature": 0.7,
+            },
+            "ppo": {"minibatch_size": args.batch // 2, "ppo_epochs": 2, "lr": 1e-4},
+            "run": {"output_dir": str(out), "steps": args.steps, "seed": 0},
+        }
+    )
 
 
 def measure(name: str, model_dir: Path, args) -> dict:
-    prompts = [json.loads(line)["prompt"] for line in PROMPTS.open()][:: 7][: args.batch]
+    prompts = [json.loads(line)["prompt"] for line in PROMPTS.open()][::7][: args.batch]
     results = {}
     for engine in ("hf", "vllm"):
         cfg = config_for(name, model_dir, args, engine, args.work_dir / f"run-{name}-{engine}")
@@ -130,15 +146,28 @@ def main(argv=None) -> None:
     report = {}
     for name in args.models.split(","):
         report[name] = measure(name, models[name](), args)
-    print(f"{'model':8} {'engine':6} {'gen tok/s':>10} {'gen s':>7} {'sync s':>7} {'step s':>7} {'rollout s':>9} "
-          f"{'logp gap':>9}")
+    print(
+        f"{'model':8} {'engine':6} {'gen tok/s':>10} {'gen s':>7} {'sync s':>7} {'step s':>7} {'rollout s':>9} "
+        f"{'logp gap':>9}"
+    )
     for name, engines in report.items():
         for engine, r in engines.items():
             sync = f"{r['weight_sync_s']:.3f}" if r["weight_sync_s"] is not None else "-"
-            print(f"{name:8} {engine:6} {r['generation_tokens_per_s']:>10.0f} {r['generation_s']:>7.3f} {sync:>7} "
-                  f"{r['step_s']:>7.3f} {r['rollout_s']:>9.3f} {r['engine_logp_gap']:>9.1e}")
-    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "batch": args.batch, "new_tokens": args.new_tokens,
-                      "threads": torch.get_num_threads(), "results": report}))
+            print(
+                f"{name:8} {engine:6} {r['generation_tokens_per_s']:>10.0f} {r['generation_s']:>7.3f} {sync:>7} "
+                f"{r['step_s']:>7.3f} {r['rollout_s']:>9.3f} {r['engine_logp_gap']:>9.1e}"
+            )
+    print(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "batch": args.batch,
+                "new_tokens": args.new_tokens,
+                "threads": torch.get_num_threads(),
+                "results": report,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -40,15 +40,28 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from tiny_world import SIZES, WorldSpec, build_world
+from tiny_world import SIZES, WorldSpec, build_world  # noqa: E402  (beside this file)
 
-PHASES = ("generation", "logprobs", "values", "scoring", "update_forward", "backward", "optimizer", "gc", "other")
+PHASES = (
+    "generation",
+    "logprobs",
+    "values",
+    "scoring",
+    "update_forward",
+    "backward",
+    "optimizer",
+    "gc",
+    "other",
+)
 MATCHED = {"temperature": 0.7, "kl_coef": 0.05, "vf_coef": 0.1, "lr": 3e-6, "seed": 42}
 VARIANTS = {  # lmppo set-ups that change the models: their own rows, never in the matched comparison
     "lmppo-shared": {"models": {"value": {"mode": "shared"}}},  # value head on the policy's trunk
-    "lmppo-lora": {"models": {"policy_lora": {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"},
-                              "value": {"lora": {"enabled": True, "r": 16, "alpha": 32,
-                                                 "target_modules": "all-linear"}}}},
+    "lmppo-lora": {
+        "models": {
+            "policy_lora": {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"},
+            "value": {"lora": {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"}},
+        }
+    },
 }
 
 
@@ -64,8 +77,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impls", default="lmppo,trl", help="lmppo and/or trl (trl is skipped if not installed)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="extra lmppo rows; '' for none")
     p.add_argument("--sweep", action="store_true", help="instead: generation scaling at the first size")
-    p.add_argument("--quickstart", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time `lmppo quickstart` (the whole toy pipeline) end to end")
+    p.add_argument(
+        "--quickstart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time `lmppo quickstart` (the whole toy pipeline) end to end",
+    )
     p.add_argument("--work-dir", default=".cache/bench", help="built models and run outputs")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one repetition of this impl
     p.add_argument("--size", help=argparse.SUPPRESS)
@@ -84,8 +101,9 @@ def forward_flops(hidden: int, layers: int, vocab: int, seq_lengths: list[int], 
     return 2.0 * body * sum(seq_lengths) + causal_attention + 2.0 * hidden * vocab * projected
 
 
-def step_flops(spec: WorldSpec, prompt_lengths: list[int], response_length: int, epochs: int,
-               impl: str = "lmppo") -> dict[str, float]:
+def step_flops(
+    spec: WorldSpec, prompt_lengths: list[int], response_length: int, epochs: int, impl: str = "lmppo"
+) -> dict[str, float]:
     """FLOPs of a PPO step: generation, stored passes (reference, value, reward), training.
 
     Training is forward + backward (2 x forward) per trained network and epoch: the policy and the
@@ -156,21 +174,33 @@ def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], lis
 
     from lmppo import trainer as trainer_module
     from lmppo.build import load_models
-    from lmppo.distributed import seed_everything
     from lmppo.config import load_config
     from lmppo.data import load_prompts
+    from lmppo.distributed import seed_everything
 
-    cfg = load_config(base=merged({
-        "models": {"policy": {"path": str(world / "policy")}, "value": {"init_from": "reward"}},
-        "reward": {"model": {"path": str(world / "reward")}},
-        "data": {"prompts": str(world / "prompts.jsonl")},
-        "rollout": {"batch_size": args.batch, "max_new_tokens": args.response_length,
-                    "temperature": MATCHED["temperature"]},
-        "ppo": {"ppo_epochs": args.epochs, "minibatch_size": args.batch, "vf_coef": MATCHED["vf_coef"],
-                "lr": MATCHED["lr"]},
-        "kl": {"beta": MATCHED["kl_coef"], "estimator": "k1"},
-        "run": {"seed": MATCHED["seed"], "device": "cpu", "steps": args.warmup + args.steps},
-    }, VARIANTS.get(args.worker, {})))
+    cfg = load_config(
+        base=merged(
+            {
+                "models": {"policy": {"path": str(world / "policy")}, "value": {"init_from": "reward"}},
+                "reward": {"model": {"path": str(world / "reward")}},
+                "data": {"prompts": str(world / "prompts.jsonl")},
+                "rollout": {
+                    "batch_size": args.batch,
+                    "max_new_tokens": args.response_length,
+                    "temperature": MATCHED["temperature"],
+                },
+                "ppo": {
+                    "ppo_epochs": args.epochs,
+                    "minibatch_size": args.batch,
+                    "vf_coef": MATCHED["vf_coef"],
+                    "lr": MATCHED["lr"],
+                },
+                "kl": {"beta": MATCHED["kl_coef"], "estimator": "k1"},
+                "run": {"seed": MATCHED["seed"], "device": "cpu", "steps": args.warmup + args.steps},
+            },
+            VARIANTS.get(args.worker, {}),
+        )
+    )
     seed_everything(cfg.run.seed)
     models = load_models(cfg, torch.device("cpu"))
     trainer = trainer_module.PPOTrainer(cfg, models, load_prompts(cfg.data.prompts))
@@ -218,8 +248,12 @@ def trl_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[
     tokenizer = AutoTokenizer.from_pretrained(world / "policy")
     policy = AutoModelForCausalLM.from_pretrained(world / "policy", dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(world / "policy", dtype=torch.float32)
-    reward = AutoModelForSequenceClassification.from_pretrained(world / "reward", num_labels=1, dtype=torch.float32)
-    value = AutoModelForSequenceClassification.from_pretrained(world / "reward", num_labels=1, dtype=torch.float32)
+    reward = AutoModelForSequenceClassification.from_pretrained(
+        world / "reward", num_labels=1, dtype=torch.float32
+    )
+    value = AutoModelForSequenceClassification.from_pretrained(
+        world / "reward", num_labels=1, dtype=torch.float32
+    )
     prompts = Dataset.from_dict({"input_ids": json.loads((world / "prompt_ids.json").read_text())})
 
     prompt_lengths: list[int] = []
@@ -230,12 +264,16 @@ def trl_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[
         return generate(model, queries, *a, **k)
 
     ppo_module.batch_generation = clock.wrap("generation", generate_and_count)
-    ppo_module.forward = clock.wrap(lambda *a, **k: "update_forward" if torch.is_grad_enabled() else "logprobs",
-                                    ppo_module.forward)
+    ppo_module.forward = clock.wrap(
+        lambda *a, **k: "update_forward" if torch.is_grad_enabled() else "logprobs", ppo_module.forward
+    )
     ppo_module.selective_log_softmax = clock.wrap(
-        lambda *a, **k: "update_forward" if torch.is_grad_enabled() else "logprobs", ppo_module.selective_log_softmax)
-    ppo_module.get_reward = clock.wrap(lambda model, *a, **k: "scoring" if model is reward else "values",
-                                       ppo_module.get_reward)
+        lambda *a, **k: "update_forward" if torch.is_grad_enabled() else "logprobs",
+        ppo_module.selective_log_softmax,
+    )
+    ppo_module.get_reward = clock.wrap(
+        lambda model, *a, **k: "scoring" if model is reward else "values", ppo_module.get_reward
+    )
     ppo_module.gc = type(gc)("gc")
     ppo_module.gc.collect = clock.wrap("gc", gc.collect)
 
@@ -254,16 +292,40 @@ def trl_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[
 
     steps = args.warmup + args.steps
     config = PPOConfig(
-        output_dir=str(Path(args.work_dir) / "trl_out"), use_cpu=True, bf16=False, fp16=False,
-        per_device_train_batch_size=args.batch, gradient_accumulation_steps=1, num_mini_batches=1,
-        num_ppo_epochs=args.epochs, total_episodes=args.batch * steps, local_rollout_forward_batch_size=args.batch,
-        response_length=args.response_length, stop_token=None, temperature=MATCHED["temperature"],
-        kl_coef=MATCHED["kl_coef"], vf_coef=MATCHED["vf_coef"], learning_rate=MATCHED["lr"], seed=MATCHED["seed"],
-        num_sample_generations=0, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+        output_dir=str(Path(args.work_dir) / "trl_out"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=1,
+        num_mini_batches=1,
+        num_ppo_epochs=args.epochs,
+        total_episodes=args.batch * steps,
+        local_rollout_forward_batch_size=args.batch,
+        response_length=args.response_length,
+        stop_token=None,
+        temperature=MATCHED["temperature"],
+        kl_coef=MATCHED["kl_coef"],
+        vf_coef=MATCHED["vf_coef"],
+        learning_rate=MATCHED["lr"],
+        seed=MATCHED["seed"],
+        num_sample_generations=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
     )
-    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=reference,
-                         reward_model=reward, value_model=value, train_dataset=prompts,
-                         eval_dataset=prompts.select(range(8)), callbacks=[StepClock()])
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=reference,
+        reward_model=reward,
+        value_model=value,
+        train_dataset=prompts,
+        eval_dataset=prompts.select(range(8)),
+        callbacks=[StepClock()],
+    )
     trainer.accelerator.backward = clock.wrap("backward", trainer.accelerator.backward)
     trainer.optimizer.step = clock.wrap("optimizer", trainer.optimizer.step)
     trainer.train()
@@ -289,14 +351,24 @@ def run_worker(args) -> None:
     timed_prompts = prompt_lengths[args.warmup * args.batch :]
     flops = step_flops(spec, timed_prompts, args.response_length, args.epochs, args.worker)
     flops = {k: v / args.steps for k, v in flops.items()}
-    print(json.dumps({
-        "impl": args.worker, "size": args.size, "policy_params": params, "step_seconds": step_seconds[timed],
-        "first_step_seconds": step_seconds[0],
-        "phase_seconds": per_step, "flops": flops, "matmul_peak_gflops": peak,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "load": [load_before, os.getloadavg()[0]], "threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-    }))
+    print(
+        json.dumps(
+            {
+                "impl": args.worker,
+                "size": args.size,
+                "policy_params": params,
+                "step_seconds": step_seconds[timed],
+                "first_step_seconds": step_seconds[0],
+                "phase_seconds": per_step,
+                "flops": flops,
+                "matmul_peak_gflops": peak,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "load": [load_before, os.getloadavg()[0]],
+                "threads": torch.get_num_threads(),
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            }
+        )
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -305,14 +377,35 @@ def run_worker(args) -> None:
 
 
 def spawn(args, impl: str, size: str, batch: int, length: int) -> dict:
-    command = [sys.executable, __file__, "--worker", impl, "--size", size, "--batch", str(batch),
-               "--response-length", str(length), "--epochs", str(args.epochs), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--work-dir", args.work_dir]
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        impl,
+        "--size",
+        size,
+        "--batch",
+        str(batch),
+        "--response-length",
+        str(length),
+        "--epochs",
+        str(args.epochs),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--work-dir",
+        args.work_dir,
+    ]
     # PASSIVE: idle OpenMP threads sleep instead of spinning. On a machine shared with other jobs a
     # spinning team waits for a descheduled thread at every op (20x slower measured here); both
     # implementations get the same setting. Set OMP_WAIT_POLICY yourself to override it.
-    env = {"TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE",
-           **os.environ}
+    env = {
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        **os.environ,
+    }
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=HERE.parent, check=False)
     if done.returncode != 0:
         sys.exit(f"{impl} worker failed ({size}, batch {batch}, length {length}):\n{done.stderr[-4000:]}")
@@ -353,21 +446,28 @@ def compare(args, impls: list[str], size: str, batch: int, length: int) -> dict:
         order = impls if repeat % 2 == 0 else impls[::-1]  # alternate who goes first
         for impl in order:
             runs[impl].append(spawn(args, impl, size, batch, length))
-            print(f"  {size} b{batch} r{length} {impl} #{repeat + 1}: "
-                  f"{statistics.median(runs[impl][-1]['step_seconds']):.3f} s/step", file=sys.stderr, flush=True)
+            print(
+                f"  {size} b{batch} r{length} {impl} #{repeat + 1}: "
+                f"{statistics.median(runs[impl][-1]['step_seconds']):.3f} s/step",
+                file=sys.stderr,
+                flush=True,
+            )
     result = {impl: summarise(r, batch, length) for impl, r in runs.items()}
     if "trl" in result and "lmppo" in result:
         result["speedup"] = round(result["trl"]["seconds_per_step"] / result["lmppo"]["seconds_per_step"], 2)
-        result["generation_speedup"] = round(result["lmppo"]["generation_tokens_per_second"]
-                                             / result["trl"]["generation_tokens_per_second"], 2)
+        result["generation_speedup"] = round(
+            result["lmppo"]["generation_tokens_per_second"] / result["trl"]["generation_tokens_per_second"], 2
+        )
     return result
 
 
 def print_table(results: dict[str, dict]) -> None:
     """One row per size and implementation; variants (changed model set-ups) have no ratio to TRL."""
-    head = (f"{'size':<8} {'impl':<12} {'s/step':>7} {'x TRL':>6} {'floor s':>7} {'/floor':>6} {'1st step':>8} "
-            f"{'tok/s':>6} {'gen tok/s':>9} {'train GF/s':>10} {'%peak':>5} {'RSS MB':>7} | "
-            + " ".join(f"{p[:7]:>7}" for p in PHASES))
+    head = (
+        f"{'size':<8} {'impl':<12} {'s/step':>7} {'x TRL':>6} {'floor s':>7} {'/floor':>6} {'1st step':>8} "
+        f"{'tok/s':>6} {'gen tok/s':>9} {'train GF/s':>10} {'%peak':>5} {'RSS MB':>7} | "
+        + " ".join(f"{p[:7]:>7}" for p in PHASES)
+    )
     print(head)
     print("-" * len(head))
     for size, result in results.items():
@@ -375,11 +475,13 @@ def print_table(results: dict[str, dict]) -> None:
             if not isinstance(r, dict):
                 continue
             speedup = f"{result['speedup']:.2f}" if impl == "lmppo" and "speedup" in result else ""
-            print(f"{size:<8} {impl:<12} {r['seconds_per_step']:>7.3f} {speedup:>6} {r['flop_floor_s']:>7.2f} "
-                  f"{r['step_over_floor']:>6.2f} {r['first_step_seconds']:>8.2f} {r['tokens_per_second']:>6.0f} "
-                  f"{r['generation_tokens_per_second']:>9.0f} {r['train_gflops']:>10.1f} "
-                  f"{100 * r['train_peak_fraction']:>5.0f} {r['peak_rss_mb']:>7.0f} | "
-                  + " ".join(f"{r['phase_seconds'][p]:>7.3f}" for p in PHASES))
+            print(
+                f"{size:<8} {impl:<12} {r['seconds_per_step']:>7.3f} {speedup:>6} {r['flop_floor_s']:>7.2f} "
+                f"{r['step_over_floor']:>6.2f} {r['first_step_seconds']:>8.2f} {r['tokens_per_second']:>6.0f} "
+                f"{r['generation_tokens_per_second']:>9.0f} {r['train_gflops']:>10.1f} "
+                f"{100 * r['train_peak_fraction']:>5.0f} {r['peak_rss_mb']:>7.0f} | "
+                + " ".join(f"{r['phase_seconds'][p]:>7.3f}" for p in PHASES)
+            )
 
 
 def sweep(args, impls: list[str]) -> list[dict]:
@@ -390,17 +492,33 @@ def sweep(args, impls: list[str]) -> list[dict]:
             result = compare(args, impls, size, batch, length)
             for impl in impls:
                 generation_s = result[impl]["phase_seconds"]["generation"]
-                rows.append({"impl": impl, "size": size, "batch": batch, "response_length": length,
-                             "generation_s": generation_s, "ms_per_decode_step": round(1000 * generation_s / length, 2),
-                             "generation_tokens_per_second": result[impl]["generation_tokens_per_second"],
-                             "seconds_per_step": result[impl]["seconds_per_step"]})
-    print(f"{'impl':<12} {'batch':>5} {'length':>6} {'gen s':>7} {'x len 32':>8} {'ms/decode step':>14} "
-          f"{'gen tok/s':>9} {'s/step':>7}")
+                rows.append(
+                    {
+                        "impl": impl,
+                        "size": size,
+                        "batch": batch,
+                        "response_length": length,
+                        "generation_s": generation_s,
+                        "ms_per_decode_step": round(1000 * generation_s / length, 2),
+                        "generation_tokens_per_second": result[impl]["generation_tokens_per_second"],
+                        "seconds_per_step": result[impl]["seconds_per_step"],
+                    }
+                )
+    print(
+        f"{'impl':<12} {'batch':>5} {'length':>6} {'gen s':>7} {'x len 32':>8} {'ms/decode step':>14} "
+        f"{'gen tok/s':>9} {'s/step':>7}"
+    )
     for r in rows:
-        base = next(b for b in rows if b["impl"] == r["impl"] and b["batch"] == r["batch"] and b["response_length"] == 32)
-        print(f"{r['impl']:<12} {r['batch']:>5} {r['response_length']:>6} {r['generation_s']:>7.3f} "
-              f"{r['generation_s'] / base['generation_s']:>8.2f} {r['ms_per_decode_step']:>14.2f} "
-              f"{r['generation_tokens_per_second']:>9.0f} {r['seconds_per_step']:>7.3f}")
+        base = next(
+            b
+            for b in rows
+            if b["impl"] == r["impl"] and b["batch"] == r["batch"] and b["response_length"] == 32
+        )
+        print(
+            f"{r['impl']:<12} {r['batch']:>5} {r['response_length']:>6} {r['generation_s']:>7.3f} "
+            f"{r['generation_s'] / base['generation_s']:>8.2f} {r['ms_per_decode_step']:>14.2f} "
+            f"{r['generation_tokens_per_second']:>9.0f} {r['seconds_per_step']:>7.3f}"
+        )
     return rows
 
 
@@ -409,13 +527,21 @@ def time_quickstart(args) -> dict:
     out = Path(args.work_dir) / "quickstart"
     shutil.rmtree(out, ignore_errors=True)
     load_before, started = os.getloadavg()[0], time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "lmppo", "quickstart", "--out", str(out)], capture_output=True,
-                          text=True, cwd=HERE.parent, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "lmppo", "quickstart", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=HERE.parent,
+        check=False,
+    )
     if done.returncode != 0:
         sys.exit(f"lmppo quickstart failed:\n{done.stderr[-4000:]}")
     wall_s = time.perf_counter() - started
     print(f"lmppo quickstart: {wall_s / 60:.1f} min (load {load_before:.1f} -> {os.getloadavg()[0]:.1f})")
-    return {"wall_s": round(wall_s, 1), "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+    return {
+        "wall_s": round(wall_s, 1),
+        "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
 
 
 def main(argv=None) -> None:
@@ -430,16 +556,25 @@ def main(argv=None) -> None:
     report = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
-        "settings": {"batch": args.batch, "response_length": args.response_length, "epochs": args.epochs,
-                     "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, **MATCHED},
+        "settings": {
+            "batch": args.batch,
+            "response_length": args.response_length,
+            "epochs": args.epochs,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            **MATCHED,
+        },
         "impls": impls,
         "variants": variants,
     }
     if args.sweep:
         report["sweep"] = sweep(args, impls)  # the matched set-up only
     else:
-        report["results"] = {size: compare(args, impls + variants, size, args.batch, args.response_length)
-                             for size in args.sizes.split(",")}
+        report["results"] = {
+            size: compare(args, impls + variants, size, args.batch, args.response_length)
+            for size in args.sizes.split(",")
+        }
         print_table(report["results"])
     if args.quickstart and not args.sweep:
         report["quickstart"] = time_quickstart(args)

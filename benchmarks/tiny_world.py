@@ -36,18 +36,106 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 WORDS = {
-    "adj": ["red", "blue", "green", "quiet", "loud", "small", "large", "bright", "dark", "warm", "cold", "fast",
-            "slow", "happy", "sad", "old", "new", "tiny"],
-    "noun": ["cat", "dog", "river", "mountain", "city", "robot", "garden", "ocean", "forest", "teacher", "student",
-             "engine", "planet", "song", "book"],
-    "verb": ["runs", "sleeps", "sings", "jumps", "waits", "grows", "shines", "falls", "climbs", "dances", "builds",
-             "reads", "listens", "flies"],
-    "place": ["near the lake", "in the park", "under the bridge", "on the hill", "at the market", "by the sea"],
-    "task": ["Write a short story about", "Describe", "Tell me something nice about", "Explain why people like",
-             "Write a poem about", "Give a fun fact about", "Summarize a day of", "Compare two kinds of"],
+    "adj": [
+        "red",
+        "blue",
+        "green",
+        "quiet",
+        "loud",
+        "small",
+        "large",
+        "bright",
+        "dark",
+        "warm",
+        "cold",
+        "fast",
+        "slow",
+        "happy",
+        "sad",
+        "old",
+        "new",
+        "tiny",
+    ],
+    "noun": [
+        "cat",
+        "dog",
+        "river",
+        "mountain",
+        "city",
+        "robot",
+        "garden",
+        "ocean",
+        "forest",
+        "teacher",
+        "student",
+        "engine",
+        "planet",
+        "song",
+        "book",
+    ],
+    "verb": [
+        "runs",
+        "sleeps",
+        "sings",
+        "jumps",
+        "waits",
+        "grows",
+        "shines",
+        "falls",
+        "climbs",
+        "dances",
+        "builds",
+        "reads",
+        "listens",
+        "flies",
+    ],
+    "place": [
+        "near the lake",
+        "in the park",
+        "under the bridge",
+        "on the hill",
+        "at the market",
+        "by the sea",
+    ],
+    "task": [
+        "Write a short story about",
+        "Describe",
+        "Tell me something nice about",
+        "Explain why people like",
+        "Write a poem about",
+        "Give a fun fact about",
+        "Summarize a day of",
+        "Compare two kinds of",
+    ],
 }
-SYLLABLES = ["ka", "lo", "mi", "nu", "pe", "ra", "si", "to", "vu", "xe", "zo", "ba", "de", "fi", "gu", "ha", "jo", "ke",
-             "lu", "ma", "ne", "ri", "so", "ta", "we", "yo"]
+SYLLABLES = [
+    "ka",
+    "lo",
+    "mi",
+    "nu",
+    "pe",
+    "ra",
+    "si",
+    "to",
+    "vu",
+    "xe",
+    "zo",
+    "ba",
+    "de",
+    "fi",
+    "gu",
+    "ha",
+    "jo",
+    "ke",
+    "lu",
+    "ma",
+    "ne",
+    "ri",
+    "so",
+    "ta",
+    "we",
+    "yo",
+]
 
 
 @dataclass(frozen=True)
@@ -66,8 +154,10 @@ class WorldSpec:
 
 def sentence(rng: random.Random, names: list[str]) -> str:
     w = WORDS
-    return (f"{rng.choice(names)} saw the {rng.choice(w['adj'])} {rng.choice(w['noun'])} {rng.choice(w['verb'])} "
-            f"{rng.choice(w['place'])}, and {rng.randint(2, 999)} {rng.choice(w['noun'])}s {rng.choice(w['verb'])}.")
+    return (
+        f"{rng.choice(names)} saw the {rng.choice(w['adj'])} {rng.choice(w['noun'])} {rng.choice(w['verb'])} "
+        f"{rng.choice(w['place'])}, and {rng.randint(2, 999)} {rng.choice(w['noun'])}s {rng.choice(w['verb'])}."
+    )
 
 
 def prompt_text(rng: random.Random) -> str:
@@ -82,18 +172,32 @@ def build_tokenizer(spec: WorldSpec):
 
     rng = random.Random(spec.seed)
     # pseudo-words give BPE enough distinct material to fill the vocabulary
-    names = ["".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 4))).capitalize() for _ in range(400)]
+    names = [
+        "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 4))).capitalize() for _ in range(400)
+    ]
     corpus = [sentence(rng, names) for _ in range(20000)] + [prompt_text(rng) for _ in range(5000)]
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=spec.vocab, min_frequency=2, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab,
+        min_frequency=2,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     backend.train_from_iterator(corpus, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
-                                        extra_special_tokens=SPECIALS[2:], padding_side="left")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        extra_special_tokens=SPECIALS[2:],
+        padding_side="left",
+    )
     tokenizer.add_special_tokens({"eos_token": "</s>"})
-    assert tokenizer.eos_token_id == spec.vocab == len(tokenizer) - 1, "</s> must be the one id past the policy"
+    assert tokenizer.eos_token_id == spec.vocab == len(tokenizer) - 1, (
+        "</s> must be the one id past the policy"
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -102,10 +206,18 @@ def llama_config(spec: WorldSpec, tokenizer, vocab_size: int):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=spec.hidden, intermediate_size=4 * spec.hidden,
-        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
-        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False, num_labels=1,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden,
+        intermediate_size=4 * spec.hidden,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.heads,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id if tokenizer.eos_token_id < vocab_size else None,
     )
 
@@ -129,8 +241,12 @@ def build_world(spec: WorldSpec, out: Path) -> Path:
     rng = random.Random(spec.seed + 2)
     texts = [prompt_text(rng) for _ in range(spec.prompts)]
     (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-    ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False) for t in texts]
+    ids = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for t in texts
+    ]
     (out / "prompt_ids.json").write_text(json.dumps(ids))
     lengths = [len(x) for x in ids]
     info = {

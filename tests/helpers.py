@@ -126,7 +126,6 @@ def boost_token(model: LlamaForCausalLM, token_id: int, logit: float) -> LlamaFo
     return model
 
 
-
 # --------------------------------------------------------------------------------------------------
 # The seeds' toy reward and a toy PPO trainer
 # --------------------------------------------------------------------------------------------------
@@ -149,8 +148,9 @@ BASE = {
 
 def toy_models(seed: int = 0, head_scale: float = 0.01) -> PPOModels:
     """A tiny Llama whose next-token distribution is near uniform (the seeds' near-uniform reference)."""
-    tokenizer = build_tokenizer(POLICY_SPECIALS, list(WORDS), pad="<pad>", eos="</s>", bos="<s>",
-                                chat_template=POLICY_TEMPLATE)
+    tokenizer = build_tokenizer(
+        POLICY_SPECIALS, list(WORDS), pad="<pad>", eos="</s>", bos="<s>", chat_template=POLICY_TEMPLATE
+    )
     torch.manual_seed(seed)
     policy = LlamaForCausalLM(llama_config(tokenizer))
     with torch.no_grad():
@@ -160,9 +160,17 @@ def toy_models(seed: int = 0, head_scale: float = 0.01) -> PPOModels:
 
 
 def toy_trainer(*overrides: str, models: PPOModels | None = None, **kwargs) -> PPOTrainer:
-    cfg = load_config(base=BASE, overrides=[
-        "rollout.max_new_tokens=8", "rollout.batch_size=8", "ppo.minibatch_size=4", "ppo.ppo_epochs=2",
-        "ppo.lr=3e-3", *overrides])
+    cfg = load_config(
+        base=BASE,
+        overrides=[
+            "rollout.max_new_tokens=8",
+            "rollout.batch_size=8",
+            "ppo.minibatch_size=4",
+            "ppo.ppo_epochs=2",
+            "ppo.lr=3e-3",
+            *overrides,
+        ],
+    )
     seed_everything(cfg.run.seed)
     return PPOTrainer(cfg, models or toy_models(), PROMPTS * 4, **kwargs)
 

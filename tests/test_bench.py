@@ -8,17 +8,56 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ppo.py"
-FIGURES = {"seconds_per_step", "tokens_per_second", "generation_tokens_per_second", "phase_seconds",
-           "peak_rss_mb", "train_gflops", "matmul_peak_gflops", "train_peak_fraction", "flop_floor_s"}
-PHASES = {"generation", "logprobs", "values", "scoring", "update_forward", "backward", "optimizer", "gc", "other"}
+FIGURES = {
+    "seconds_per_step",
+    "tokens_per_second",
+    "generation_tokens_per_second",
+    "phase_seconds",
+    "peak_rss_mb",
+    "train_gflops",
+    "matmul_peak_gflops",
+    "train_peak_fraction",
+    "flop_floor_s",
+}
+PHASES = {
+    "generation",
+    "logprobs",
+    "values",
+    "scoring",
+    "update_forward",
+    "backward",
+    "optimizer",
+    "gc",
+    "other",
+}
 
 
 @pytest.mark.slow
 def test_bench_runs_and_prints_the_json_line(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--sizes", "h128_l4", "--steps", "2", "--warmup", "0", "--repeats", "1",
-         "--impls", "lmppo", "--variants", "", "--no-quickstart", "--work-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, check=False,
+        [
+            sys.executable,
+            str(BENCH),
+            "--sizes",
+            "h128_l4",
+            "--steps",
+            "2",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--impls",
+            "lmppo",
+            "--variants",
+            "",
+            "--no-quickstart",
+            "--work-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -37,9 +76,26 @@ BENCH_DISTRIBUTED = BENCH.parent / "bench_distributed.py"
 @pytest.mark.distributed
 def test_bench_distributed_runs_one_and_two_processes(run_files, tmp_path):
     done = subprocess.run(
-        [sys.executable, str(BENCH_DISTRIBUTED), "--config", str(run_files), "--procs", "1,2", "--steps", "2",
-         "--warmup", "0", "--repeats", "1", "--work-dir", str(tmp_path / "bench")],
-        capture_output=True, text=True, timeout=600, check=False,
+        [
+            sys.executable,
+            str(BENCH_DISTRIBUTED),
+            "--config",
+            str(run_files),
+            "--procs",
+            "1,2",
+            "--steps",
+            "2",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--work-dir",
+            str(tmp_path / "bench"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

@@ -14,7 +14,9 @@ BASE = {
 
 
 def test_yaml_round_trip(tmp_path):
-    cfg = load_config(base=BASE, overrides=["ppo.lr=3e-4", "rollout.stop_token_ids=[5, 7]", "kl.adaptive=true"])
+    cfg = load_config(
+        base=BASE, overrides=["ppo.lr=3e-4", "rollout.stop_token_ids=[5, 7]", "kl.adaptive=true"]
+    )
     path = tmp_path / "config.yaml"
     path.write_text(cfg.to_yaml())
     again = load_config(path)
@@ -33,20 +35,23 @@ def test_overrides_do_not_mutate_the_base():
     assert "dtype" not in BASE["models"]["policy"]
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("ppo.lrr=1", "did you mean 'ppo.lr'"),
-    ("rolout.batch_size=4", "did you mean 'rollout'"),
-    ("models.policy.dtyp=float32", "did you mean 'models.policy.dtype'"),
-    ("ppo.lr=-1", "ppo.lr: Input should be greater than 0"),
-    ("ppo.clip_eps=0", "ppo.clip_eps: Input should be greater than 0"),
-    ("ppo.gamma=1.5", "ppo.gamma: Input should be less than or equal to 1"),
-    ("ppo.minibatch_size=64", "larger than rollout.batch_size=16"),
-    ("ppo.micro_batch_size=5", "must divide ppo.minibatch_size"),
-    ("reward.model.path=rm_dir", "set exactly one of reward.model"),
-    ("kl.estimator=k9", "kl.estimator"),
-    ("ppo", "not of the form section.key=value"),
-    ("models.policy.path.x=1", "is a value, not a section"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("ppo.lrr=1", "did you mean 'ppo.lr'"),
+        ("rolout.batch_size=4", "did you mean 'rollout'"),
+        ("models.policy.dtyp=float32", "did you mean 'models.policy.dtype'"),
+        ("ppo.lr=-1", "ppo.lr: Input should be greater than 0"),
+        ("ppo.clip_eps=0", "ppo.clip_eps: Input should be greater than 0"),
+        ("ppo.gamma=1.5", "ppo.gamma: Input should be less than or equal to 1"),
+        ("ppo.minibatch_size=64", "larger than rollout.batch_size=16"),
+        ("ppo.micro_batch_size=5", "must divide ppo.minibatch_size"),
+        ("reward.model.path=rm_dir", "set exactly one of reward.model"),
+        ("kl.estimator=k9", "kl.estimator"),
+        ("ppo", "not of the form section.key=value"),
+        ("models.policy.path.x=1", "is a value, not a section"),
+    ],
+)
 def test_validation_errors_are_helpful(override, message):
     with pytest.raises(LmppoError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(base=BASE, overrides=[override])

@@ -107,8 +107,10 @@ def _global_stats_worker(rank: int, world: int, port: int, shards, results):
 def test_global_statistics_over_two_ranks_equal_statistics_of_the_concatenation():
     gen = torch.Generator().manual_seed(2)
     # Shards with different widths and lengths, as ranks with different response lengths would have.
-    shards = [(torch.randn(3, 5, generator=gen), ragged_mask(3, 5, gen)),
-              (torch.randn(2, 8, generator=gen), ragged_mask(2, 8, gen))]
+    shards = [
+        (torch.randn(3, 5, generator=gen), ragged_mask(3, 5, gen)),
+        (torch.randn(2, 8, generator=gen), ragged_mask(2, 8, gen)),
+    ]
     with mp.Manager() as manager:
         results = manager.dict()
         port = 29500 + os.getpid() % 1000
@@ -122,7 +124,9 @@ def test_global_statistics_over_two_ranks_equal_statistics_of_the_concatenation(
         assert torch.allclose(results[rank][1], kept.var(), atol=1e-6)
     assert torch.allclose(whitened, expected_white, atol=1e-5)
     residual = kept * 0.5
-    assert torch.allclose(results[0][3], 1 - residual.var(unbiased=False) / kept.var(unbiased=False), atol=1e-5)
+    assert torch.allclose(
+        results[0][3], 1 - residual.var(unbiased=False) / kept.var(unbiased=False), atol=1e-5
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,7 +139,9 @@ def test_token_logprobs_and_entropy_match_log_softmax():
     logits = torch.randn(2, 5, 11, generator=gen) * 4
     labels = torch.randint(0, 11, (2, 5), generator=gen)
     logp = torch.log_softmax(logits, -1)
-    assert torch.allclose(core.token_logprobs(logits, labels), logp.gather(-1, labels[..., None])[..., 0], atol=1e-5)
+    assert torch.allclose(
+        core.token_logprobs(logits, labels), logp.gather(-1, labels[..., None])[..., 0], atol=1e-5
+    )
     assert torch.allclose(core.token_entropy(logits), -(logp.exp() * logp).sum(-1), atol=1e-5)
     mask = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]).float()
     expected = (-(logp.exp() * logp).sum(-1))[mask.bool()].mean()
@@ -176,10 +182,13 @@ def test_approx_kl_is_k3_of_old_to_new():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("beta", "expected"), [
-    (0.1, [-0.02, 0.0, 0.10, 1.50]),
-    (0.2, [-0.04, 0.0, 0.20, 1.50]),
-])
+@pytest.mark.parametrize(
+    ("beta", "expected"),
+    [
+        (0.1, [-0.02, 0.0, 0.10, 1.50]),
+        (0.2, [-0.04, 0.0, 0.20, 1.50]),
+    ],
+)
 def test_seed_worked_example(beta, expected):
     logp_old = torch.tensor([[-1.0, -0.5, -2.0, -0.1]])
     logp_ref = torch.tensor([[-1.2, -0.5, -1.0, -0.1]])
@@ -210,8 +219,9 @@ def test_shaped_rewards_places_score_and_kl():
 def test_last_response_index_rows_of_every_shape():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 1, 0]])
     assert core.last_response_index(mask).tolist() == [2, 0, 3, 0, 2]
-    empty_row_reward = core.shaped_rewards(torch.tensor([5.0]), torch.zeros(1, 3), torch.zeros(1, 3),
-                                           torch.zeros(1, 3), 0.1)
+    empty_row_reward = core.shaped_rewards(
+        torch.tensor([5.0]), torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, 3), 0.1
+    )
     assert torch.all(empty_row_reward == 0)
 
 
@@ -228,7 +238,7 @@ def brute_force_gae(rewards, values, mask, gamma, lam, bootstrap):
         vals = [float(values[b, t]) for t in range(n)] + [float(bootstrap[b])]
         deltas = [float(rewards[b, t]) + gamma * vals[t + 1] - vals[t] for t in range(n)]
         for t in range(n):
-            adv[b, t] = sum((gamma * lam) ** l * deltas[t + l] for l in range(n - t))
+            adv[b, t] = sum((gamma * lam) ** k * deltas[t + k] for k in range(n - t))
     return adv
 
 
@@ -285,7 +295,9 @@ def test_ppo_clip_loss_gradient_and_clipping():
 
     def grad_at(log_ratio: float, advantage: float) -> float:
         lp = torch.tensor([[log_ratio]], requires_grad=True)
-        loss, _ = core.ppo_clip_loss(lp, torch.zeros(1, 1), torch.tensor([[advantage]]), torch.ones(1, 1), 0.2)
+        loss, _ = core.ppo_clip_loss(
+            lp, torch.zeros(1, 1), torch.tensor([[advantage]]), torch.ones(1, 1), 0.2
+        )
         loss.backward()
         return lp.grad.item()
 
@@ -294,8 +306,13 @@ def test_ppo_clip_loss_gradient_and_clipping():
     assert grad_at(down, -1.0) == 0.0  # pushed below 1-eps with negative advantage: clipped
     assert grad_at(down, 1.0) < 0.0  # wrong direction is never clipped: the step can be undone
     assert grad_at(up, -1.0) > 0.0
-    _, frac = core.ppo_clip_loss(torch.tensor([[up, 0.0, down, 5.0]]), torch.zeros(1, 4),
-                                 torch.ones(1, 4), torch.tensor([[1.0, 1.0, 1.0, 0.0]]), 0.2)
+    _, frac = core.ppo_clip_loss(
+        torch.tensor([[up, 0.0, down, 5.0]]),
+        torch.zeros(1, 4),
+        torch.ones(1, 4),
+        torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
+        0.2,
+    )
     assert math.isclose(frac.item(), 2 / 3, rel_tol=1e-6)
 
 
@@ -324,14 +341,21 @@ def test_value_loss_clipping():
     assert math.isclose(clip_frac.item(), 2 / 3, rel_tol=1e-6)
     loss.backward()
     # Token 0's clipped branch wins: no gradient; token 2's unclipped branch wins: gradient flows.
-    assert values.grad[0, 0] == 0 and values.grad[0, 1] != 0 and values.grad[0, 2] != 0 and values.grad[0, 3] == 0
+    assert (
+        values.grad[0, 0] == 0
+        and values.grad[0, 1] != 0
+        and values.grad[0, 2] != 0
+        and values.grad[0, 3] == 0
+    )
 
 
 def test_explained_variance():
     returns = torch.tensor([[1.0, 2.0, 3.0, 50.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     assert torch.allclose(core.explained_variance(returns, returns, mask), torch.tensor(1.0))
-    assert torch.allclose(core.explained_variance(torch.full_like(returns, 2.0), returns, mask), torch.tensor(0.0))
+    assert torch.allclose(
+        core.explained_variance(torch.full_like(returns, 2.0), returns, mask), torch.tensor(0.0)
+    )
     assert core.explained_variance(-returns, returns, mask).item() < 0
 
 

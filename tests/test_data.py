@@ -15,11 +15,15 @@ def write_jsonl(path, rows):
 
 def test_prompts_from_jsonl_strings_and_messages(tmp_path):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello"}, {"messages": messages}, {"prompt": messages}])
+    path = write_jsonl(
+        tmp_path / "p.jsonl", [{"prompt": "hello"}, {"messages": messages}, {"prompt": messages}]
+    )
     assert load_prompts(path) == ["hello", messages, messages]
 
 
-@pytest.mark.parametrize("row", [{"text": "x"}, {"prompt": ""}, {"messages": []}, {"messages": [{"role": "user"}]}])
+@pytest.mark.parametrize(
+    "row", [{"text": "x"}, {"prompt": ""}, {"messages": []}, {"messages": [{"role": "user"}]}]
+)
 def test_row_without_prompt_names_the_row(tmp_path, row):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "ok"}, row])
     with pytest.raises(LmppoError, match=r"p\.jsonl, row 2 has no prompt"):

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors.torch import load_file
 from helpers import comparable, run_cli, toy_models, toy_trainer, write_config
+from safetensors.torch import load_file
 
 from lmppo.checkpoint import latest_checkpoint, load_checkpoint
 from lmppo.distributed import check_world_size, seed_everything
@@ -23,11 +23,31 @@ from lmppo.rollout import HFGenerator
 
 BATCH = 8
 # one minibatch of the whole batch (every rank's rows), two epochs, micro-batches of 4 rows (2 per rank)
-STEP_OVERRIDES = ("rollout.max_new_tokens=8", f"rollout.batch_size={BATCH}", f"ppo.minibatch_size={BATCH}",
-                  "ppo.micro_batch_size=4", "ppo.ppo_epochs=2", "ppo.lr=1e-2", "ppo.adam_eps=1e-5")
-GLOBAL_METRICS = ("policy/loss", "value/loss", "policy/approx_kl", "policy/entropy", "policy/clip_frac",
-                  "policy/ratio_mean", "adv/mean", "adv/std", "value/explained_var", "kl/ref", "reward/rm_score",
-                  "response/length", "policy/grad_norm", "value/grad_norm")
+STEP_OVERRIDES = (
+    "rollout.max_new_tokens=8",
+    f"rollout.batch_size={BATCH}",
+    f"ppo.minibatch_size={BATCH}",
+    "ppo.micro_batch_size=4",
+    "ppo.ppo_epochs=2",
+    "ppo.lr=1e-2",
+    "ppo.adam_eps=1e-5",
+)
+GLOBAL_METRICS = (
+    "policy/loss",
+    "value/loss",
+    "policy/approx_kl",
+    "policy/entropy",
+    "policy/clip_frac",
+    "policy/ratio_mean",
+    "adv/mean",
+    "adv/std",
+    "value/explained_var",
+    "kl/ref",
+    "reward/rm_score",
+    "response/length",
+    "policy/grad_norm",
+    "value/grad_norm",
+)
 
 
 class FixedRollouts:
@@ -46,7 +66,8 @@ def fixed_global_rollout(tmp_path):
     seed_everything(3)
     rollout = HFGenerator(models.policy, models.tokenizer, max_new_tokens=8).generate(
         ["tell me about the cat", "write a short poem", "tell me a story", "the day was very happy"] * 2,
-        policy_version=0)
+        policy_version=0,
+    )
     assert 0 < rollout.response_mask.sum(1).min() < rollout.response_mask.sum(1).max()  # ragged lengths
     torch.save(rollout, tmp_path / "rollout.pt")
     return torch.load(tmp_path / "rollout.pt", weights_only=False)
@@ -57,8 +78,9 @@ def ppo_step(rank: int, world: int, rollout) -> dict:
     group = dist.group.WORLD if world > 1 else None
     rows = BATCH // world
     shard = rollout.select(slice(rank * rows, (rank + 1) * rows))
-    trainer = toy_trainer(*STEP_OVERRIDES, generator=FixedRollouts(shard), group=group, rank=rank,
-                          world_size=world)
+    trainer = toy_trainer(
+        *STEP_OVERRIDES, generator=FixedRollouts(shard), group=group, rank=rank, world_size=world
+    )
     trainer.generator.rollout.extras.clear()
     collected = {}
 
@@ -102,7 +124,9 @@ def test_two_ranks_take_the_same_step_as_one_process(tmp_path):
     mask = alone["response_mask"].bool()
     together = torch.cat([r["advantages"] for r in ranks])
     torch.testing.assert_close(together[mask], alone["advantages"][mask], atol=1e-5, rtol=1e-5)
-    assert abs(together[mask].mean().item()) < 1e-5 and together[mask].std(unbiased=False).item() == pytest.approx(1, abs=1e-4)
+    assert abs(together[mask].mean().item()) < 1e-5 and together[mask].std(
+        unbiased=False
+    ).item() == pytest.approx(1, abs=1e-4)
     # Losses and statistics: global token means, the same on both ranks and equal to one process's.
     for key in GLOBAL_METRICS:
         assert ranks[0]["metrics"][key] == ranks[1]["metrics"][key], key
@@ -131,10 +155,27 @@ def test_global_sizes_must_split_over_the_ranks():
 
 def torchrun(*args: str) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node 2 -m lmppo ppo ARGS`` (torchrun's module form, as in the docs)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "lmppo", "ppo", *args, "--quiet"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "lmppo",
+        "ppo",
+        *args,
+        "--quiet",
+    ]
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    )
 
 
 @pytest.mark.slow
@@ -161,12 +202,19 @@ def test_torchrun_two_ranks_log_once_checkpoint_every_rank_and_resume_exactly(ru
     assert comparable(read_metrics(a)) == comparable(read_metrics(b))
     for group in ("policy", "value", "optimizer"):
         saved_a, saved_b = (load_checkpoint(latest_checkpoint(d)).tensors[group] for d in (a, b))
-        assert saved_a.keys() == saved_b.keys() and all(torch.equal(saved_a[k], saved_b[k]) for k in saved_a), group
+        assert saved_a.keys() == saved_b.keys() and all(
+            torch.equal(saved_a[k], saved_b[k]) for k in saved_a
+        ), group
 
     # One process cannot continue a 2-rank run's sampling streams: refused unless explicitly allowed.
     shutil.copytree(b, run_files.parent / "alone")
     assert run_cli("ppo", "--resume", str(run_files.parent / "alone"), "run.steps=5") == 2
     assert "world_size" in capsys.readouterr().err
     with pytest.warns(UserWarning, match="written by 2 ranks and this run has 1"):
-        assert run_cli("ppo", "--resume", str(run_files.parent / "alone"), "run.steps=5", "--allow-config-change") == 0
+        assert (
+            run_cli(
+                "ppo", "--resume", str(run_files.parent / "alone"), "run.steps=5", "--allow-config-change"
+            )
+            == 0
+        )
     assert [r["step"] for r in read_metrics(run_files.parent / "alone")] == [1, 2, 3, 4, 5]

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 import yaml
-from rich.console import Console
 from helpers import run_cli
+from rich.console import Console
 
 from lmppo.errors import LmppoError
 from lmppo.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table, win_rate
@@ -30,7 +30,12 @@ def says_good(prompt, response) -> float:
 
 
 def evaluate(policy, tokenizer, **overrides) -> EvalResult:
-    settings = {"reward_fn": word_count, "generator_options": {"max_new_tokens": 6}, "batch_size": 5, "seed": 0}
+    settings = {
+        "reward_fn": word_count,
+        "generator_options": {"max_new_tokens": 6},
+        "batch_size": 5,
+        "seed": 0,
+    }
     return evaluate_policy(policy, tokenizer, PROMPTS, **{**settings, **overrides})
 
 
@@ -105,7 +110,9 @@ def test_same_seed_same_responses_and_training_rng_untouched(policy_model, polic
 
 def test_no_prompts_is_a_user_error(policy_model, policy_tokenizer):
     with pytest.raises(LmppoError, match="no held-out prompts"):
-        evaluate_policy(policy_model, policy_tokenizer, [], reward_fn=word_count, generator_options={"max_new_tokens": 4})
+        evaluate_policy(
+            policy_model, policy_tokenizer, [], reward_fn=word_count, generator_options={"max_new_tokens": 4}
+        )
 
 
 def test_win_rate_counts_ties_half():
@@ -152,7 +159,9 @@ def test_compare_policies_falls_back_to_the_reward_model_and_checks_prompts():
 
 
 def test_lmppo_eval_judges_start_and_final_policy_with_the_configured_judge(run_files, tmp_path):
-    (tmp_path / "judge.py").write_text("def brief(prompt, response):\n    return float(len(response.split()) <= 3)\n")
+    (tmp_path / "judge.py").write_text(
+        "def brief(prompt, response):\n    return float(len(response.split()) <= 3)\n"
+    )
     config = yaml.safe_load(run_files.read_text())
     config["data"].update(eval_prompts=config["data"]["prompts"], eval_judge=f"{tmp_path / 'judge.py'}:brief")
     run_files.write_text(yaml.safe_dump(config))

@@ -43,19 +43,28 @@ def test_committed_prompt_files_are_the_judges_splits_and_share_no_question(judg
     assert len(train) >= 4 * len(test) * 0.9 and len(train) + len(test) >= 300 and not train & test
 
 
-@pytest.mark.parametrize("response, correct, meets", [
-    ("Paris.", True, True),
-    ("The capital of France is Paris.", True, True),
-    ("The capital of France is Lyon.", False, False),
-    ("Berlin or Paris.", False, False),  # a hedge: the first capital named is wrong
-    ("Paris Paris Paris Paris", True, False),  # repetitive
-    ("The capital of France, a country in Western Europe with a long history of art, food and culture, is Paris.",
-     True, False),  # correct but not brief
-    ("", False, False),
-])
+@pytest.mark.parametrize(
+    "response, correct, meets",
+    [
+        ("Paris.", True, True),
+        ("The capital of France is Paris.", True, True),
+        ("The capital of France is Lyon.", False, False),
+        ("Berlin or Paris.", False, False),  # a hedge: the first capital named is wrong
+        ("Paris Paris Paris Paris", True, False),  # repetitive
+        (
+            "The capital of France, a country in Western Europe with a long history of art, food and culture, is Paris.",
+            True,
+            False,
+        ),  # correct but not brief
+        ("", False, False),
+    ],
+)
 def test_judge_rules(judge, response, correct, meets):
-    prompt = next(r["prompt"] for r in judge["prompt_rows"]("train") + judge["prompt_rows"]("test")
-                  if "France" in r["prompt"] and r["kind"] == "capital")
+    prompt = next(
+        r["prompt"]
+        for r in judge["prompt_rows"]("train") + judge["prompt_rows"]("test")
+        if "France" in r["prompt"] and r["kind"] == "capital"
+    )
     row = judge["judge_row"](prompt, response)
     assert row["correct"] == correct and judge["meets_target"](prompt, response) == float(meets)
 

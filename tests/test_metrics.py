@@ -16,6 +16,7 @@ from lmppo.errors import LmppoError
 from lmppo.metrics import (
     METRIC_NAMES,
     REDUCE_OPS,
+    RENAMED_METRICS,
     MetricsLogger,
     ProgressDisplay,
     read_metrics,
@@ -39,6 +40,18 @@ def test_every_metric_is_described_here_and_in_the_docs():
         assert f"`{name}`" in docs, f"docs/metrics.md does not document {name}"
     assert set(REDUCE_OPS) <= set(METRIC_NAMES)
     assert set(REDUCE_OPS.values()) <= {"mean", "sum", "max", "min"}
+    assert set(RENAMED_METRICS.values()) <= set(METRIC_NAMES) and not set(RENAMED_METRICS) & set(METRIC_NAMES)
+    for old, new in RENAMED_METRICS.items():
+        assert f"`{old}`" in docs and f"`{new}`" in docs, f"docs/metrics.md's renamed table lacks {old}"
+
+
+def test_a_metrics_file_written_before_a_rename_reads_under_the_new_names(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "time": 0.0, "health/grad_norm": 0.5, "eval/kl_ref": 2.0, "kl/ref": 1.0})
+        + "\n"
+    )
+    (record,) = read_metrics(tmp_path)
+    assert record == {"step": 1, "time": 0.0, "policy/grad_norm": 0.5, "eval/kl/ref": 2.0, "kl/ref": 1.0}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,6 +216,43 @@ def test_the_mlflow_sink_gets_config_and_every_step(tmp_path, monkeypatch):
         ("log", 7, {"kl/ref": 1.5}),
         ("end",),
     ]
+
+
+def test_the_tensorboard_sink_writes_every_step_as_a_scalar_and_the_config_as_text(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    steps = {
+        1: {"kl/ref": 0.1, "policy/loss": -1.5},
+        2: {"kl/ref": math.nan, "policy/loss": math.inf},  # kept as logged, like the JSONL
+        5: {"kl/ref": 0.3, "policy/loss": -math.inf},
+    }
+    config = {"ppo": {"lr": 1e-5}}
+    with MetricsLogger(tmp_path, sinks=["jsonl", "tensorboard"], config=config) as logger:
+        for step, metrics in steps.items():
+            logger.log(step, metrics)
+
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["kl/ref", "policy/loss"]
+    for name in ("kl/ref", "policy/loss"):
+        scalars = events.Scalars(name)
+        assert [e.step for e in scalars] == list(steps)
+        logged = [metrics[name] for metrics in steps.values()]
+        assert [e.value for e in scalars] == pytest.approx(logged, rel=1e-6, nan_ok=True)  # float32
+    (text,) = events.Tensors("config/text_summary")
+    assert json.loads(text.tensor_proto.string_val[0].decode().strip("`\n")) == config
+
+
+def test_a_resumed_run_drops_the_tensorboard_steps_logged_after_its_checkpoint(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    with MetricsLogger(tmp_path, sinks=["tensorboard"]) as logger:
+        for step in range(1, 6):
+            logger.log(step, {"kl/ref": float(step)})
+    with MetricsLogger(tmp_path, sinks=["tensorboard"], resume_step=3) as logger:  # the checkpoint was step 3
+        for step in (4, 5):
+            logger.log(step, {"kl/ref": 10.0 * step})
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("kl/ref")] == [(1, 1), (2, 2), (3, 3), (4, 40), (5, 50)]
 
 
 # --------------------------------------------------------------------------------------------------

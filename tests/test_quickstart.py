@@ -29,8 +29,11 @@ def test_fast_quickstart_improves_gold_score_with_an_accurate_reward_model(tmp_p
 
 def test_train_rm_rejects_a_row_without_chosen(tmp_path, capsys):
     (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "hi", "rejected": "no"}) + "\n")
-    config = {"model": {"path": str(tmp_path / "model")}, "data": str(tmp_path / "pairs.jsonl"),
-              "output_dir": str(tmp_path / "rm")}
+    config = {
+        "model": {"path": str(tmp_path / "model")},
+        "data": str(tmp_path / "pairs.jsonl"),
+        "output_dir": str(tmp_path / "rm"),
+    }
     (tmp_path / "rm.yaml").write_text(yaml.safe_dump(config))
     assert run_cli("train-rm", str(tmp_path / "rm.yaml")) == 2
     err = capsys.readouterr().err

@@ -53,9 +53,13 @@ def eval_result(shift: float) -> EvalResult:
          "rm_score": n + shift, "gold_score": n - shift, "length": n, "eos": True, "slice": "count" if n % 2 else "list"}
         for n in range(3, 13)
     ]  # fmt: skip
-    slices = {s: {"n": 5, "eval/reward/rm_score": shift, "eval/gold_score": -shift} for s in ("count", "list")}
+    slices = {
+        s: {"n": 5, "eval/reward/rm_score": shift, "eval/gold_score": -shift} for s in ("count", "list")
+    }
     return EvalResult(
-        metrics={"eval/reward/rm_score": 7.5 + shift, "eval/gold_score": 7.5 - shift}, rows=rows, slices=slices
+        metrics={"eval/reward/rm_score": 7.5 + shift, "eval/gold_score": 7.5 - shift},
+        rows=rows,
+        slices=slices,
     )
 
 

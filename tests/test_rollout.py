@@ -17,9 +17,9 @@ from lmppo.rollout import (
     HFGenerator,
     Rollout,
     policy_logits_and_values,
-    sequence_logprobs,
     response_logits,
     response_mask_from_ids,
+    sequence_logprobs,
     value_predictions,
 )
 
@@ -284,8 +284,9 @@ def test_draws_follow_the_tempered_truncated_distribution(policy_tokenizer, poli
     """The sampler: frequencies match softmax(logits / T) over the kept tokens, never a dropped one."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the off-policy warning for top-k / top-p
-        generator = HFGenerator(policy_model, policy_tokenizer, max_new_tokens=1, temperature=0.5, top_k=top_k,
-                                top_p=top_p)
+        generator = HFGenerator(
+            policy_model, policy_tokenizer, max_new_tokens=1, temperature=0.5, top_k=top_k, top_p=top_p
+        )
     row = torch.tensor([1.0, 0.5, 0.0, -0.5, 0.2, -3.0])
     draws = 40_000
     torch.manual_seed(0)

@@ -15,6 +15,7 @@ from helpers import comparable, run_cli, write_config
 from lmppo.checkpoint import last_good_checkpoint, latest_checkpoint, load_checkpoint
 from lmppo.metrics import read_metrics
 
+
 def policy_tensors(run_dir):
     return load_checkpoint(latest_checkpoint(run_dir)).tensors["policy"]
 
@@ -24,8 +25,11 @@ def policy_tensors(run_dir):
 def test_resume_is_exact(run_files, lora):
     """N steps in one go == k steps, stop, resume for N-k: same metrics, bit-identical weights."""
     models = {"policy_lora": {"enabled": True, "r": 4, "alpha": 8}} if lora else {}
-    straight = write_config(run_files, run={"steps": 4, "output_dir": str(run_files.parent / "straight")},
-                            models={**yaml.safe_load(run_files.read_text())["models"], **models})
+    straight = write_config(
+        run_files,
+        run={"steps": 4, "output_dir": str(run_files.parent / "straight")},
+        models={**yaml.safe_load(run_files.read_text())["models"], **models},
+    )
     assert run_cli("ppo", str(straight)) == 0
     split = write_config(straight, run={"steps": 2, "output_dir": str(run_files.parent / "split")})
     assert run_cli("ppo", str(split)) == 0
@@ -53,8 +57,12 @@ def test_resume_refuses_a_changed_config_unless_allowed(run_files):
 
 
 def test_nan_reward_aborts_and_keeps_the_last_good_checkpoint(run_files, capsys):
-    config = write_config(run_files, reward={"function": "nan_reward:score"}, run={"steps": 5, "checkpoint_every": 1},
-                          guards={"nonfinite_patience": 2})
+    config = write_config(
+        run_files,
+        reward={"function": "nan_reward:score"},
+        run={"steps": 5, "checkpoint_every": 1},
+        guards={"nonfinite_patience": 2},
+    )
     (run_files.parent / "nan_reward.py").write_text(
         "calls = 0\n"
         "def score(prompts, responses):\n"
@@ -81,8 +89,13 @@ def test_nan_reward_aborts_and_keeps_the_last_good_checkpoint(run_files, capsys)
 
 def _start_run(config, env_extra=None):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-    return subprocess.Popen([sys.executable, "-m", "lmppo", "ppo", str(config), "--quiet"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lmppo", "ppo", str(config), "--quiet"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_for_step(run_dir, step, proc, timeout=120):
@@ -91,7 +104,9 @@ def _wait_for_step(run_dir, step, proc, timeout=120):
         if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= step:
             return
         time.sleep(0.05)
-    raise AssertionError(f"run did not reach step {step}: {proc.stdout.read() if proc.poll() is not None else ''}")
+    raise AssertionError(
+        f"run did not reach step {step}: {proc.stdout.read() if proc.poll() is not None else ''}"
+    )
 
 
 @pytest.mark.slow
@@ -123,8 +138,12 @@ def test_sigkill_at_random_moments_always_resumes_from_an_intact_checkpoint(run_
         proc.wait()
         checkpoint = load_checkpoint(latest_checkpoint(run_dir))  # verifies every file's hash
         assert all(torch.isfinite(t).all() for t in checkpoint.tensors["policy"].values())
-        proc = subprocess.Popen([sys.executable, "-m", "lmppo", "ppo", "--resume", str(run_dir), "--quiet"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lmppo", "ppo", "--resume", str(run_dir), "--quiet"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     proc.kill()
     proc.wait()
     step = load_checkpoint(latest_checkpoint(run_dir)).step

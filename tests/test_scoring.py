@@ -164,11 +164,15 @@ def test_reward_function_passes_non_finite_scores_to_the_guards(user_rewards):
 
 
 def test_reward_function_from_a_file_path(tmp_path, monkeypatch):
-    (tmp_path / "my_reward.py").write_text("IMPORTS = []\nIMPORTS.append(1)\ndef score(prompts, responses):\n"
-                                           "    return [len(r) + len(IMPORTS) for r in responses]\n")
+    (tmp_path / "my_reward.py").write_text(
+        "IMPORTS = []\nIMPORTS.append(1)\ndef score(prompts, responses):\n"
+        "    return [len(r) + len(IMPORTS) for r in responses]\n"
+    )
     monkeypatch.chdir(tmp_path)  # a relative path starts at the working directory
     assert load_reward_function("my_reward.py:score")(["a"], ["xy"]).tolist() == [3.0]
-    assert load_reward_function(f"{tmp_path}/my_reward.py:score")(["a"], ["xy"]).tolist() == [3.0]  # imported once
+    assert load_reward_function(f"{tmp_path}/my_reward.py:score")(["a"], ["xy"]).tolist() == [
+        3.0
+    ]  # imported once
     with pytest.raises(LmppoError, match="no file .*missing.py"):
         load_reward_function("missing.py:score")
 

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmppo.build import load_models
 from lmppo.config import load_config
 from lmppo.core import token_logprobs
+from lmppo.distributed import seed_everything
 from lmppo.models import (
     cache_gguf_as_transformers,
     load_causal_lm,
@@ -23,9 +25,7 @@ from lmppo.models import (
     model_identity,
     resolve_source,
 )
-from lmppo.rollout import HFGenerator, sequence_logprobs, response_logits
-from lmppo.build import load_models
-from lmppo.distributed import seed_everything
+from lmppo.rollout import HFGenerator, response_logits, sequence_logprobs
 from lmppo.trainer import PPOTrainer
 
 pytestmark = pytest.mark.slow
@@ -123,30 +123,45 @@ def test_smollm2_identity_from_the_gguf_file(smollm2):
 def test_two_lora_ppo_steps_on_smollm2(smollm2, tmp_path, value_mode):
     """Two PPO steps with LoRA and a programmatic reward: finite metrics, masks around <|im_end|>, only the
     adapters (and the value head) train, the reference (adapter disabled) stays the base model."""
-    (tmp_path / "brevity.py").write_text("def reward(prompts, responses):\n"
-                                         "    return [-len(r.split()) / 10 for r in responses]\n")
-    value = {"mode": "shared"} if value_mode == "shared" else {
-        "mode": "separate", "init_from": "policy", "lora": {"enabled": True, "r": 8, "alpha": 16}}
-    cfg = load_config(base={
-        "models": {"policy": {"path": str(CACHE_DIR)}, "policy_lora": {"enabled": True, "r": 8, "alpha": 16},
-                   "value": value},
-        "reward": {"function": f"{tmp_path / 'brevity.py'}:reward", "missing_eos_penalty": 1.0},
-        "data": {"prompts": "unused"},
-        "rollout": {"batch_size": 4, "max_new_tokens": 16, "temperature": 0.7},
-        "ppo": {"minibatch_size": 2, "ppo_epochs": 2, "lr": 1e-3},
-    })
+    (tmp_path / "brevity.py").write_text(
+        "def reward(prompts, responses):\n    return [-len(r.split()) / 10 for r in responses]\n"
+    )
+    value = (
+        {"mode": "shared"}
+        if value_mode == "shared"
+        else {"mode": "separate", "init_from": "policy", "lora": {"enabled": True, "r": 8, "alpha": 16}}
+    )
+    cfg = load_config(
+        base={
+            "models": {
+                "policy": {"path": str(CACHE_DIR)},
+                "policy_lora": {"enabled": True, "r": 8, "alpha": 16},
+                "value": value,
+            },
+            "reward": {"function": f"{tmp_path / 'brevity.py'}:reward", "missing_eos_penalty": 1.0},
+            "data": {"prompts": "unused"},
+            "rollout": {"batch_size": 4, "max_new_tokens": 16, "temperature": 0.7},
+            "ppo": {"minibatch_size": 2, "ppo_epochs": 2, "lr": 1e-3},
+        }
+    )
     seed_everything(0)
     models = load_models(cfg, torch.device("cpu"))
     trainer = PPOTrainer(cfg, models, PROMPTS)
-    frozen = {(name, k): v.clone() for name, module in (("policy", trainer.policy), ("value", trainer.value_model))
-              for k, v in module.named_parameters() if not v.requires_grad}
+    frozen = {
+        (name, k): v.clone()
+        for name, module in (("policy", trainer.policy), ("value", trainer.value_model))
+        for k, v in module.named_parameters()
+        if not v.requires_grad
+    }
     adapters = {k: v.clone() for k, v in trainer.policy.named_parameters() if v.requires_grad}
     assert adapters and all("lora_" in k for k in adapters)
     value_trained = [k for k, v in trainer.value_model.named_parameters() if v.requires_grad]
     assert all("lora_" in k or k.startswith("head.") for k in value_trained)
     rollouts = []
     generate = trainer.generator.generate
-    trainer.generator.generate = lambda prompts, policy_version: rollouts.append(generate(prompts, policy_version)) or rollouts[-1]
+    trainer.generator.generate = lambda prompts, policy_version: (
+        rollouts.append(generate(prompts, policy_version)) or rollouts[-1]
+    )
 
     metrics = [trainer.step() for _ in range(2)]
     logp_ref_after = sequence_logprobs(models.reference, rollouts[0])
@@ -154,10 +169,14 @@ def test_two_lora_ppo_steps_on_smollm2(smollm2, tmp_path, value_mode):
     assert all(math.isfinite(v) for m in metrics for v in m.values())
     for rollout in rollouts:
         assert_masks_around_im_end(rollout, models.tokenizer, max_new_tokens=16)
-    after = {name: dict(module.named_parameters()) for name, module in (("policy", trainer.policy),
-                                                                         ("value", trainer.value_model))}
+    after = {
+        name: dict(module.named_parameters())
+        for name, module in (("policy", trainer.policy), ("value", trainer.value_model))
+    }
     assert all(torch.equal(after[name][k], v) for (name, k), v in frozen.items())  # base weights untouched
-    assert all(not torch.equal(after["policy"][k], v) for k, v in adapters.items() if "lora_B" in k)  # adapters trained
+    assert all(
+        not torch.equal(after["policy"][k], v) for k, v in adapters.items() if "lora_B" in k
+    )  # adapters trained
     # The reference is the base model: the stored logp_ref of step 1 is reproduced after two updates.
     torch.testing.assert_close(logp_ref_after, rollouts[0].extras["logp_ref"], atol=1e-5, rtol=0)
     with torch.no_grad():

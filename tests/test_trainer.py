@@ -1,7 +1,6 @@
 """The PPO step: learning on the seeds' toy reward, early stop, stale rollouts, ptx, accumulation."""
 
 import dataclasses
-import json
 import math
 
 import pytest
@@ -11,6 +10,7 @@ from helpers import toy_models, toy_trainer
 from lmppo.errors import LmppoError
 from lmppo.metrics import METRIC_NAMES
 from lmppo.sft import sft_batch
+
 
 @pytest.mark.slow
 def test_train_ppo_increases_reward_with_bounded_kl():
@@ -31,10 +31,23 @@ def test_first_update_sees_ratio_one_and_metrics_are_complete():
     assert metrics["policy/approx_kl"] < 1e-6
     assert abs(metrics["policy/ratio_mean"] - 1.0) < 1e-5 and metrics["policy/clip_frac"] == 0.0
     assert metrics["engine/logp_gap"] < 1e-5  # the decode loop's log-probs are the trainer's
-    expected = {name for name in METRIC_NAMES if not name.startswith(("eval/", "ptx/", "reward/rm_score_used",
-                                                                       "reward/eos_penalty", "reward/norm",
-                                                                       "reward/clip", "perf/allreduce_mb", "engine/tis_clip_frac",
-                                                                       "perf/weight_sync_s"))}
+    expected = {
+        name
+        for name in METRIC_NAMES
+        if not name.startswith(
+            (
+                "eval/",
+                "ptx/",
+                "reward/rm_score_used",
+                "reward/eos_penalty",
+                "reward/norm",
+                "reward/clip",
+                "perf/allreduce_mb",
+                "engine/tis_clip_frac",
+                "perf/weight_sync_s",
+            )
+        )
+    }
     assert expected <= set(metrics), expected - set(metrics)
     assert all(math.isfinite(v) for v in metrics.values())
     assert metrics["policy/updates"] == 1 and trainer.policy_version == 1
@@ -58,7 +71,9 @@ class StaleGenerator:
     def generate(self, prompts, policy_version):
         self.calls += 1
         age = self.ages.pop(0) if self.ages else 99
-        return dataclasses.replace(self.inner.generate(prompts, policy_version), policy_version=policy_version - age)
+        return dataclasses.replace(
+            self.inner.generate(prompts, policy_version), policy_version=policy_version - age
+        )
 
 
 class OffByEngine:
@@ -78,13 +93,17 @@ def test_truncated_importance_sampling_corrects_an_engine_gap():
     gap is reported, and tokens are weighted by min(p_trainer / p_engine, cap) = min(e^0.5, 1.5) = 1.5."""
     metrics = {}
     for cap in (None, 1.5):
-        trainer = toy_trainer("ppo.ppo_epochs=1", "ppo.minibatch_size=8", *([f"ppo.tis_cap={cap}"] if cap else []))
+        trainer = toy_trainer(
+            "ppo.ppo_epochs=1", "ppo.minibatch_size=8", *([f"ppo.tis_cap={cap}"] if cap else [])
+        )
         trainer.generator = OffByEngine(trainer.generator, shift=0.5)
         metrics[cap] = trainer.step()
     assert metrics[None]["engine/logp_gap"] == pytest.approx(0.5, abs=1e-4)
     assert metrics[None]["policy/ratio_mean"] == pytest.approx(math.exp(0.5), rel=1e-3)  # off-policy ratio
     assert metrics[1.5]["engine/logp_gap"] == pytest.approx(0.5, abs=1e-4)  # still the engine's gap
-    assert metrics[1.5]["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # against the trainer's log-probs
+    assert metrics[1.5]["policy/ratio_mean"] == pytest.approx(
+        1.0, abs=1e-5
+    )  # against the trainer's log-probs
     assert metrics[1.5]["engine/tis_clip_frac"] == 1.0  # every weight e^0.5 > 1.5 is capped
     assert "engine/tis_clip_frac" not in metrics[None]
 
@@ -103,11 +122,23 @@ def test_ptx_loss_is_logged_when_enabled():
     models = toy_models()
 
     demos = [{"prompt": "tell me about the cat", "response": "the cat is good"}] * 4
-    trainer = toy_trainer("ppo.ptx_coef=0.5", models=models,
-                          ptx_batches=lambda: sft_batch(models.tokenizer, demos))
+    trainer = toy_trainer(
+        "ppo.ptx_coef=0.5", models=models, ptx_batches=lambda: sft_batch(models.tokenizer, demos)
+    )
     metrics = trainer.step()
     assert metrics["ptx/loss"] > 0 and math.isfinite(metrics["ptx/loss"])
     assert "ptx/loss" not in toy_trainer().step()
+
+
+def first_update_gradients(trainer) -> torch.Tensor:
+    """The policy's accumulated gradients at the first optimiser step of ``trainer.step()``."""
+    seen = []
+    hook = trainer.optimizer.register_step_pre_hook(
+        lambda *_: seen.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
+    )
+    trainer.step()
+    hook.remove()
+    return seen[0]
 
 
 def test_micro_batch_accumulation_equals_the_full_minibatch():
@@ -117,20 +148,14 @@ def test_micro_batch_accumulation_equals_the_full_minibatch():
     1e-5 rather than to float precision: Adam's first step is about lr * g / |g| per weight, so a weight
     whose gradient is near 0 turns float-order noise (which differs between CPUs) into a visible change.
     """
-    weights, first_gradients = [], []
+    weights, gradients = [], []
     for micro in (None, 2, 1):
         overrides = ["ppo.ppo_epochs=1"] + ([f"ppo.micro_batch_size={micro}"] if micro else [])
         trainer = toy_trainer(*overrides, models=toy_models())
-        optimizer_step, gradients = trainer.optimizer.step, []
-
-        def recording_step(*args, **kwargs):
-            gradients.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
-            return optimizer_step(*args, **kwargs)
-
-        trainer.optimizer.step = recording_step
-        trainer.step()
-        first_gradients.append(gradients[0])
+        gradients.append(first_update_gradients(trainer))
         weights.append(torch.cat([p.detach().flatten() for p in trainer.policy.parameters()]))
-    for gradient in first_gradients[1:]:
-        torch.testing.assert_close(gradient, first_gradients[0], atol=1e-8, rtol=1e-4)
-    assert torch.allclose(weights[0], weights[1], atol=1e-5) and torch.allclose(weights[0], weights[2], atol=1e-5)
+    for gradient in gradients[1:]:
+        torch.testing.assert_close(gradient, gradients[0], atol=1e-8, rtol=1e-4)
+    assert torch.allclose(weights[0], weights[1], atol=1e-5) and torch.allclose(
+        weights[0], weights[2], atol=1e-5
+    )

@@ -27,8 +27,9 @@ TOLERANCE = 1e-4
 
 
 def test_policy_weights_fold_lora_in_without_touching_the_model():
-    tokenizer = build_tokenizer(POLICY_SPECIALS, list(WORDS), pad="<pad>", eos="</s>", bos="<s>",
-                                chat_template=POLICY_TEMPLATE)
+    tokenizer = build_tokenizer(
+        POLICY_SPECIALS, list(WORDS), pad="<pad>", eos="</s>", bos="<s>", chat_template=POLICY_TEMPLATE
+    )
     torch.manual_seed(0)
     base = LlamaForCausalLM(llama_config(tokenizer))
     expected_names = set(base.state_dict())
@@ -53,11 +54,15 @@ def test_policy_weights_fold_lora_in_without_touching_the_model():
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny Llama with head_dim 64 (vLLM's CPU attention kernels need a supported head size)."""
-    tokenizer = build_tokenizer(POLICY_SPECIALS, list(WORDS), pad="<pad>", eos="</s>", bos="<s>",
-                                chat_template=POLICY_TEMPLATE)
+    tokenizer = build_tokenizer(
+        POLICY_SPECIALS, list(WORDS), pad="<pad>", eos="</s>", bos="<s>", chat_template=POLICY_TEMPLATE
+    )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_config(tokenizer, hidden_size=128, intermediate_size=256,
-                                          num_attention_heads=2, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        llama_config(
+            tokenizer, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2
+        )
+    )
     directory = tmp_path_factory.mktemp("tiny")
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -83,7 +88,9 @@ def test_the_transformers_decode_loop_uses_its_cache_under_this_environments_tra
     pass it under that name, or every step would see one token and no context."""
     policy, tokenizer = load_causal_lm(tiny_dir), load_tokenizer(tiny_dir)
     torch.manual_seed(0)
-    rollout = HFGenerator(policy, tokenizer, max_new_tokens=12, temperature=0.7).generate(PROMPTS, policy_version=0)
+    rollout = HFGenerator(policy, tokenizer, max_new_tokens=12, temperature=0.7).generate(
+        PROMPTS, policy_version=0
+    )
     mask = rollout.response_mask.bool()
     assert (teacher_forced(policy, rollout) - rollout.logp_old)[mask].abs().max() < 1e-5
 
@@ -120,8 +127,13 @@ def test_a_ppo_step_syncs_the_engine_to_the_new_weights(engine):
     from lmppo.scoring import load_reward_function
 
     policy, tokenizer, generator = engine
-    models = PPOModels(policy, make_reference(policy), ValueModel.from_causal_lm(policy), tokenizer,
-                       load_reward_function(COUNT_GOOD))
+    models = PPOModels(
+        policy,
+        make_reference(policy),
+        ValueModel.from_causal_lm(policy),
+        tokenizer,
+        load_reward_function(COUNT_GOOD),
+    )
     sequence = generator.render(PROMPTS[0]) + tokenizer.convert_tokens_to_ids(["the", "cat", "is", "happy"])
     before = generator.sequence_logprobs([sequence])[0]
     trainer = toy_trainer("ppo.lr=1e-2", models=models, generator=generator)
@@ -151,8 +163,13 @@ def test_three_ppo_steps_with_engine_vllm_through_the_cli(tiny_dir, tmp_path):
         "run": {"output_dir": str(tmp_path / "run"), "steps": 3, "seed": 1},
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, "-m", "lmppo", "ppo", str(tmp_path / "config.yaml"), "--quiet"],
-                          capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "lmppo", "ppo", str(tmp_path / "config.yaml"), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3]

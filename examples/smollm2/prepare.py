@@ -143,7 +143,10 @@ def baseline(judge, model, tokenizer, rows: list[dict], args) -> None:
         judge.judge_row(p, t) | {"prompt": p, "response": t, "eos": e} for p, t, e in zip(prompts, texts, eos)
     ]
     write_jsonl(args.out_dir / "baseline.jsonl", judged)
-    mean = lambda key, rs=judged: statistics.mean(float(r[key]) for r in rs)
+
+    def mean(key, rs=judged):
+        return statistics.mean(float(r[key]) for r in rs)
+
     print(
         f"base model on {len(judged)} held-out prompts (max_new_tokens={args.max_new_tokens}, temperature 0.7, "
         f"seed {args.seed}): meets target {mean('meets_target'):.1%}, correct {mean('correct'):.1%}, "
@@ -200,7 +203,9 @@ def main() -> None:
         for split in ("train", "test"):
             rows = judge.prompt_rows(split)
             if args.limit:  # a subset spread over every kind (the files are grouped by kind)
-                rows = spread_over_kinds(rows, args.limit if split == "train" else max(1, args.limit // 4), args.seed)
+                rows = spread_over_kinds(
+                    rows, args.limit if split == "train" else max(1, args.limit // 4), args.seed
+                )
             print(f"sampling {2 * len(rows)} responses for {len(rows)} {split} prompts")
             pairs = make_pairs(judge, model, tokenizer, rows, args)
             path = args.out_dir / f"prefs_{split}.jsonl"

@@ -53,15 +53,28 @@ class LoadedReward:
 def load_reward(reward_cfg: RewardConfig, device: torch.device | str = "cpu") -> LoadedReward:
     """``reward.model`` (scored with its own tokenizer and chat template) or ``reward.function``."""
     if reward_cfg.model is None:
-        return LoadedReward(load_reward_function(reward_cfg.function), None,
-                            {"role": "reward", "function": reward_cfg.function})
+        return LoadedReward(
+            load_reward_function(reward_cfg.function),
+            None,
+            {"role": "reward", "function": reward_cfg.function},
+        )
     spec = reward_cfg.model
     tokenizer = load_tokenizer(spec)
     model = load_reward_model(spec).to(device)
-    scorer = RewardModelScorer(model, tokenizer, chat_template=spec.chat_template,
-                               max_length=reward_cfg.max_length, batch_size=reward_cfg.batch_size)
-    identity = model_identity("reward", model, source=resolve_source(spec.path, spec.gguf_file), tokenizer=tokenizer,
-                              chat_template=spec.chat_template).to_dict()
+    scorer = RewardModelScorer(
+        model,
+        tokenizer,
+        chat_template=spec.chat_template,
+        max_length=reward_cfg.max_length,
+        batch_size=reward_cfg.batch_size,
+    )
+    identity = model_identity(
+        "reward",
+        model,
+        source=resolve_source(spec.path, spec.gguf_file),
+        tokenizer=tokenizer,
+        chat_template=spec.chat_template,
+    ).to_dict()
     return LoadedReward(scorer, model, identity)
 
 
@@ -72,8 +85,10 @@ def load_value_model(cfg: Config, policy: nn.Module, reward_model: nn.Module | N
         return ValueModel.shared_trunk(policy).to(device)
     if v.init_from == "reward":
         if reward_model is None:
-            raise LmppoError("models.value.init_from=reward needs a reward model (reward.model); "
-                             "with a programmatic reward use models.value.init_from=policy")
+            raise LmppoError(
+                "models.value.init_from=reward needs a reward model (reward.model); "
+                "with a programmatic reward use models.value.init_from=policy"
+            )
         value = ValueModel.from_reward_model(reward_model)
     else:
         value = ValueModel.from_causal_lm(policy)
@@ -99,13 +114,21 @@ def load_models(cfg: Config, device: torch.device) -> PPOModels:
 
     template = m.policy.chat_template
     identities = {
-        "policy": model_identity("policy", policy, source=policy_source, tokenizer=tokenizer,
-                                 chat_template=template).to_dict(),
-        "reference": model_identity("reference", reference, source=reference_source, tokenizer=tokenizer,
-                                    chat_template=template,
-                                    shared_with="policy" if m.reference is None else None).to_dict(),
+        "policy": model_identity(
+            "policy", policy, source=policy_source, tokenizer=tokenizer, chat_template=template
+        ).to_dict(),
+        "reference": model_identity(
+            "reference",
+            reference,
+            source=reference_source,
+            tokenizer=tokenizer,
+            chat_template=template,
+            shared_with="policy" if m.reference is None else None,
+        ).to_dict(),
         "reward": reward.identity,
-        "value": model_identity("value", value, shared_with="policy" if value.shared_trunk else None).to_dict(),
+        "value": model_identity(
+            "value", value, shared_with="policy" if value.shared_trunk else None
+        ).to_dict(),
     }
     identities["value"]["init_from"] = "policy" if value.shared_trunk else m.value.init_from
     return PPOModels(policy, reference, value, tokenizer, reward.reward, identities)
@@ -116,9 +139,14 @@ def generator_options(cfg: Config) -> dict:
     every evaluation of the policy samples too."""
     r = cfg.rollout
     return {
-        "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p,
-        "stop_token_ids": r.stop_token_ids, "chat_template": cfg.models.policy.chat_template,
-        "raw_prompts": cfg.data.raw_prompts, "max_prompt_length": cfg.data.max_prompt_length,
+        "max_new_tokens": r.max_new_tokens,
+        "temperature": r.temperature,
+        "top_k": r.top_k,
+        "top_p": r.top_p,
+        "stop_token_ids": r.stop_token_ids,
+        "chat_template": cfg.models.policy.chat_template,
+        "raw_prompts": cfg.data.raw_prompts,
+        "max_prompt_length": cfg.data.max_prompt_length,
         "truncate_prompts": cfg.data.truncate_prompts,
     }
 
@@ -129,8 +157,16 @@ def build_generator(cfg: Config, models: PPOModels) -> Generator:
         from lmppo.vllm_engine import VLLMGenerator  # vLLM lives in its own environment
 
         if cfg.models.policy.gguf_file or not Path(cfg.models.policy.path).is_dir():
-            raise LmppoError("rollout.engine=vllm loads models.policy.path as a transformers directory; convert a "
-                             "GGUF file first (lmppo.models.cache_gguf_as_transformers)")
-        return VLLMGenerator(models.policy, models.tokenizer, cfg.models.policy.path, seed=cfg.run.seed,
-                             kv_cache_gb=cfg.rollout.vllm_kv_cache_gb, **generator_options(cfg))
+            raise LmppoError(
+                "rollout.engine=vllm loads models.policy.path as a transformers directory; convert a "
+                "GGUF file first (lmppo.models.cache_gguf_as_transformers)"
+            )
+        return VLLMGenerator(
+            models.policy,
+            models.tokenizer,
+            cfg.models.policy.path,
+            seed=cfg.run.seed,
+            kv_cache_gb=cfg.rollout.vllm_kv_cache_gb,
+            **generator_options(cfg),
+        )
     return HFGenerator(models.policy, models.tokenizer, **generator_options(cfg))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -30,13 +31,27 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version."
+    ),
 ) -> None:
     """PPO for RLHF on Hugging Face causal language models."""
 
 
+def quiet_transformers() -> None:
+    """transformers' progress bars ("Loading weights", "Writing model shards") and load reports would
+    interleave with lmppo's own lines; lmppo checks what matters in them itself (a reward model without a
+    trained score head is refused) and its warnings still show. ``TRANSFORMERS_VERBOSITY`` wins when set."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    if "TRANSFORMERS_VERBOSITY" not in os.environ:
+        transformers_logging.set_verbosity_error()
+
+
 def main() -> None:
     """Entry point: user errors become one paragraph and exit code 2, never a traceback."""
+    quiet_transformers()
     try:
         app()
     except LmppoError as err:
@@ -44,14 +59,16 @@ def main() -> None:
         sys.exit(2)
 
 
-
 @app.command()
 def ppo(
-    config: Path | None = typer.Argument(None, help="YAML config (optional with --resume: the run's own is used)."),
+    config: Path | None = typer.Argument(
+        None, help="YAML config (optional with --resume: the run's own is used)."
+    ),
     overrides: list[str] | None = typer.Argument(None, help="section.key=value overrides, e.g. ppo.lr=1e-5"),
     resume: Path | None = typer.Option(None, "--resume", help="Continue the run in this run directory."),
     allow_config_change: bool = typer.Option(
-        False, "--allow-config-change", help="Resume even if the config or models differ (recorded)."),
+        False, "--allow-config-change", help="Resume even if the config or models differ (recorded)."
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="Plain log lines instead of a live display."),
 ) -> None:
     """Train a policy with PPO: `lmppo ppo CONFIG section.key=value ...`."""
@@ -68,7 +85,9 @@ def ppo(
         raise LmppoError("give a config file: `lmppo ppo CONFIG`, or `lmppo ppo --resume RUN_DIR`")
     if quiet:
         overrides.append("logging.quiet=true")
-    run_dir = train(load_config(config, overrides), resume=resume is not None, allow_config_change=allow_config_change)
+    run_dir = train(
+        load_config(config, overrides), resume=resume is not None, allow_config_change=allow_config_change
+    )
     console.print(f"run directory: {run_dir}")
 
 
@@ -80,7 +99,9 @@ def _supervised_config(config: Path, overrides: list[str] | None):
 
 @app.command()
 def sft(
-    config: Path = typer.Argument(..., help="YAML: model, data (JSONL of prompt/response), epochs, lr, output_dir."),
+    config: Path = typer.Argument(
+        ..., help="YAML: model, data (JSONL of prompt/response), epochs, lr, output_dir."
+    ),
     overrides: list[str] | None = typer.Argument(None, help="key=value overrides, e.g. lr=1e-5"),
 ) -> None:
     """Supervised fine-tuning on demonstrations (response-only loss): the policy's starting point."""
@@ -88,13 +109,17 @@ def sft(
 
     cfg = _supervised_config(config, overrides)
     stats = run_sft(cfg)
-    console.print(f"SFT: {stats['steps']} steps, final loss {stats['loss'][-1]:.4f}, "
-                  f"{stats['trained_parameters']:,} parameters trained; saved to {cfg.output_dir}")
+    console.print(
+        f"SFT: {stats['steps']} steps, final loss {stats['loss'][-1]:.4f}, "
+        f"{stats['trained_parameters']:,} parameters trained; saved to {cfg.output_dir}"
+    )
 
 
 @app.command("train-rm")
 def train_rm(
-    config: Path = typer.Argument(..., help="YAML: model, data (JSONL of prompt/chosen/rejected), epochs, lr, ..."),
+    config: Path = typer.Argument(
+        ..., help="YAML: model, data (JSONL of prompt/chosen/rejected), epochs, lr, ..."
+    ),
     overrides: list[str] | None = typer.Argument(None, help="key=value overrides, e.g. epochs=2"),
 ) -> None:
     """Train a Bradley-Terry reward model on preference pairs; reports held-out accuracy per slice."""
@@ -103,14 +128,18 @@ def train_rm(
     cfg = _supervised_config(config, overrides)
     stats = run_train_rm(cfg)
     accuracy = f", held-out accuracy {stats['eval']['accuracy']:.3f}" if "eval" in stats else ""
-    console.print(f"reward model ({stats['trained_parameters']:,} parameters trained) saved to {cfg.output_dir}"
-                  f"{accuracy}")
+    console.print(
+        f"reward model ({stats['trained_parameters']:,} parameters trained) saved to {cfg.output_dir}"
+        f"{accuracy}"
+    )
 
 
 @app.command("eval")
 def evaluate(
     run_dir: Path = typer.Argument(..., help="A finished PPO run directory (holds config.yaml and final/)."),
-    prompts: Path | None = typer.Option(None, "--prompts", help="Held-out prompts (default: data.eval_prompts)."),
+    prompts: Path | None = typer.Option(
+        None, "--prompts", help="Held-out prompts (default: data.eval_prompts)."
+    ),
 ) -> None:
     """Evaluate a run's final policy against its starting policy on held-out prompts (RM score, KL, win rate)."""
     from lmppo.evaluate import evaluate_run, summary_table
@@ -120,7 +149,9 @@ def evaluate(
 
 @app.command()
 def quickstart(
-    overrides: list[str] | None = typer.Argument(None, help="PPO config overrides, e.g. kl.beta=0 run.steps=80"),
+    overrides: list[str] | None = typer.Argument(
+        None, help="PPO config overrides, e.g. kl.beta=0 run.steps=80"
+    ),
     out: Path = typer.Option(Path("runs/quickstart"), "--out", help="Directory for every stage's output."),
     seed: int = typer.Option(0, "--seed", help="Seed of the toy world, data and training."),
     beta: float | None = typer.Option(None, "--beta", help="KL coefficient; --beta 0 shows reward hacking."),

@@ -67,7 +67,9 @@ class RewardConfig(Section):
 
     model: ModelSource | None = None
     function: str | None = Field(
-        None, description="'package.module:function' or 'path/to/file.py:function' taking (prompts, responses)")
+        None,
+        description="'package.module:function' or 'path/to/file.py:function' taking (prompts, responses)",
+    )
     batch_size: int = Field(16, gt=0)
     max_length: int | None = Field(None, gt=0, description="truncate RM inputs (its own tokens)")
     missing_eos_penalty: float | None = Field(None, description="added to the score of truncated rows")
@@ -77,7 +79,9 @@ class RewardConfig(Section):
     @model_validator(mode="after")
     def _exactly_one_source(self) -> RewardConfig:
         if (self.model is None) == (self.function is None):
-            raise ValueError("set exactly one of reward.model (a reward model) or reward.function ('module:fn')")
+            raise ValueError(
+                "set exactly one of reward.model (a reward model) or reward.function ('module:fn')"
+            )
         return self
 
 
@@ -85,8 +89,10 @@ class DataConfig(Section):
     prompts: str = Field(description="JSONL file ({'prompt'} or {'messages'} per row) or a datasets dir")
     eval_prompts: str | None = None
     eval_judge: str | None = Field(
-        None, description="'module:function' or 'file.py:function', (prompt, response) -> float: the held-out "
-                          "judge of `lmppo eval` (eval/gold_score), e.g. 1.0 when a response meets the target")
+        None,
+        description="'module:function' or 'file.py:function', (prompt, response) -> float: the held-out "
+        "judge of `lmppo eval` (eval/gold_score), e.g. 1.0 when a response meets the target",
+    )
     split: str | None = Field(None, description="split of a DatasetDict saved with save_to_disk")
     shuffle: bool = True
     raw_prompts: bool = Field(False, description="feed prompts as plain text, without a chat template")
@@ -97,8 +103,10 @@ class DataConfig(Section):
 
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm"] = Field(
-        "hf", description="hf: transformers decode loop on the trained module; vllm: an in-process vLLM engine "
-                          "synced after every update (docs/engines.md)")
+        "hf",
+        description="hf: transformers decode loop on the trained module; vllm: an in-process vLLM engine "
+        "synced after every update (docs/engines.md)",
+    )
     vllm_kv_cache_gb: int = Field(1, ge=1, description="engine=vllm: the engine's CPU KV cache, whole GiB")
     batch_size: int = Field(16, gt=0, description="prompts per PPO step (global, all ranks)")
     max_new_tokens: int = Field(32, gt=0)
@@ -106,7 +114,9 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0, description="0 = off")
     top_p: float = Field(1.0, gt=0, le=1)
     stop_token_ids: list[int] = Field([], description="extra stop ids besides the tokenizer's EOS")
-    max_rollout_age: int = Field(0, ge=0, description="policy versions a rollout may lag before it is regenerated")
+    max_rollout_age: int = Field(
+        0, ge=0, description="policy versions a rollout may lag before it is regenerated"
+    )
     truncation: Literal["terminal", "bootstrap"] = Field(
         "terminal",
         description="rows cut at max_new_tokens: 'terminal' = scored by the reward at their last token, no "
@@ -128,10 +138,15 @@ class PPOConfig(Section):
     lam: float = Field(0.95, ge=0, le=1)
     whiten_advantages: bool = True
     tis_cap: float | None = Field(
-        None, gt=1, description="truncated importance sampling of the engine's samples: the PPO ratio is taken "
-                                "against the trainer's own log-probs (one more policy pass per step) and each "
-                                "token's surrogate is weighted by min(p_trainer / p_engine, tis_cap); null = off")
-    target_approx_kl: float | None = Field(None, gt=0, description="stop the epochs when approx KL exceeds it")
+        None,
+        gt=1,
+        description="truncated importance sampling of the engine's samples: the PPO ratio is taken "
+        "against the trainer's own log-probs (one more policy pass per step) and each "
+        "token's surrogate is weighted by min(p_trainer / p_engine, tis_cap); null = off",
+    )
+    target_approx_kl: float | None = Field(
+        None, gt=0, description="stop the epochs when approx KL exceeds it"
+    )
     max_grad_norm: float | None = Field(1.0, gt=0)
     lr: float = Field(1e-5, gt=0)
     value_lr: float | None = Field(None, gt=0, description="defaults to lr")
@@ -230,7 +245,9 @@ class SupervisedConfig(TrainingStage):
     """``lmppo sft`` (demonstrations) and ``lmppo train-rm`` (preference pairs): one model, one JSONL file."""
 
     model: ModelSource
-    data: str = Field(description="JSONL: {prompt, response} rows for sft, {prompt, chosen, rejected} for train-rm")
+    data: str = Field(
+        description="JSONL: {prompt, response} rows for sft, {prompt, chosen, rejected} for train-rm"
+    )
     eval_data: str | None = None
     seed: int = 0
     output_dir: str
@@ -251,7 +268,10 @@ class QuickstartConfig(Section):
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None, schema: type[Section] = Config
+    path: str | Path | None = None,
+    overrides: list[str] = (),
+    base: dict | None = None,
+    schema: type[Section] = Config,
 ) -> Section:
     """Read a YAML file (or start from ``base``), apply ``section.key=value`` overrides, validate."""
     raw: dict[str, Any] = copy.deepcopy(base or {})
@@ -298,7 +318,9 @@ def _describe(error: dict[str, Any], schema: type[Section]) -> str:
     if error["type"] == "extra_forbidden":
         valid = _valid_keys(loc[:-1], schema)
         near = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
-        hint = f"did you mean {'.'.join(loc[:-1] + near)!r}?" if near else f"valid keys here: {', '.join(valid)}"
+        hint = (
+            f"did you mean {'.'.join(loc[:-1] + near)!r}?" if near else f"valid keys here: {', '.join(valid)}"
+        )
         return f"unknown key {where!r}: {hint}"
     if error["type"] == "missing":
         return f"{where} is required"

@@ -341,7 +341,9 @@ class AdaptiveKLController(FixedKLController):
 
     def __init__(self, beta: float, target: float, horizon: float) -> None:
         if target <= 0 or horizon <= 0:
-            raise ValueError(f"AdaptiveKLController needs target > 0 and horizon > 0, got {target}, {horizon}")
+            raise ValueError(
+                f"AdaptiveKLController needs target > 0 and horizon > 0, got {target}, {horizon}"
+            )
         super().__init__(beta)
         self.target, self.horizon = float(target), float(horizon)
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from lmppo.errors import LmppoError
 
-Prompt = Union[str, list[dict[str, str]]]
+Prompt = str | list[dict[str, str]]  # plain user text, or a list of chat messages
 
 
 def as_messages(prompt: Prompt) -> list[dict[str, str]]:
@@ -107,8 +107,16 @@ class PromptStream:
     batch, so the union over ranks of one step is the batch a single process would take.
     """
 
-    def __init__(self, prompts: list[Prompt], batch_size: int, *, shuffle: bool, seed: int,
-                 rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        prompts: list[Prompt],
+        batch_size: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         if batch_size % world_size:
             raise LmppoError(f"rollout.batch_size={batch_size} must be divisible by the {world_size} ranks")
         if batch_size > len(prompts):
@@ -120,7 +128,9 @@ class PromptStream:
     def _order(self) -> list[int]:
         if not self.shuffle:
             return list(range(len(self.prompts)))
-        return torch.randperm(len(self.prompts), generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        return torch.randperm(
+            len(self.prompts), generator=torch.Generator().manual_seed(self.seed + self.epoch)
+        ).tolist()
 
     def next_batch(self) -> list[Prompt]:
         """This rank's share of the next global batch (a short tail of an epoch is skipped)."""

@@ -89,7 +89,11 @@ def check_world_size(world_size: int, **global_sizes: int | None) -> None:
 
 def collective_device(group: dist.ProcessGroup) -> torch.device:
     """Where a collective's tensors must live: the current GPU for nccl, the CPU for gloo."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl"
+        else torch.device("cpu")
+    )
 
 
 def all_sum(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -146,7 +150,9 @@ def _counting_allreduce(state: AllReduceCounter, bucket):  # no annotations: DDP
     return default_hooks.allreduce_hook(state.group, bucket)
 
 
-def data_parallel(module: nn.Module, group: dist.ProcessGroup) -> tuple[DistributedDataParallel, AllReduceCounter]:
+def data_parallel(
+    module: nn.Module, group: dist.ProcessGroup
+) -> tuple[DistributedDataParallel, AllReduceCounter]:
     """``module`` under DDP (rank 0's weights broadcast to every rank now), with a byte counter.
 
     No ``device_ids``: inputs are already on the module's device. Buffers (rotary tables) are equal on

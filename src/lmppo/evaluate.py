@@ -255,17 +255,28 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
     cfg = load_config(run_dir / "config.yaml")
     prompts_path = prompts_path or cfg.data.eval_prompts
     if prompts_path is None:
-        raise LmppoError("no held-out prompts: pass --prompts FILE or set data.eval_prompts in the run's config")
+        raise LmppoError(
+            "no held-out prompts: pass --prompts FILE or set data.eval_prompts in the run's config"
+        )
     if not (run_dir / "final").is_dir():
-        raise LmppoError(f"{run_dir / 'final'} does not exist: the run has not finished (continue it with --resume)")
+        raise LmppoError(
+            f"{run_dir / 'final'} does not exist: the run has not finished (continue it with --resume)"
+        )
     tokenizer, prompts = load_tokenizer(cfg.models.policy), load_prompts(prompts_path)
     reward_fn = load_reward(cfg.reward).reward
     gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
     start = load_causal_lm(cfg.models.policy)
     results = {
         name: evaluate_policy(
-            policy, tokenizer, prompts, reward_fn=reward_fn, reference=start, gold_fn=gold_fn,
-            generator_options=generator_options(cfg), batch_size=cfg.run.eval_batch_size, seed=cfg.run.seed,
+            policy,
+            tokenizer,
+            prompts,
+            reward_fn=reward_fn,
+            reference=start,
+            gold_fn=gold_fn,
+            generator_options=generator_options(cfg),
+            batch_size=cfg.run.eval_batch_size,
+            seed=cfg.run.seed,
         )
         for name, policy in (("start", start), ("PPO", load_causal_lm(run_dir / "final")))
     }

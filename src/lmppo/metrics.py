@@ -152,7 +152,12 @@ def reduce_metrics(
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     per_rank = torch.stack(gathered).cpu()  # (world, n)
-    reducers = {"mean": lambda c: c.mean(), "sum": lambda c: c.sum(), "max": lambda c: c.max(), "min": lambda c: c.min()}
+    reducers = {
+        "mean": lambda c: c.mean(),
+        "sum": lambda c: c.sum(),
+        "max": lambda c: c.max(),
+        "min": lambda c: c.min(),
+    }
     return {n: reducers[REDUCE_OPS.get(n, op)](per_rank[:, i]).item() for i, n in enumerate(names)}
 
 
@@ -182,12 +187,19 @@ def _import_sink(sink: str):
         ) from None
 
 
+# A tracker is built as Sink(run_dir, run_name, config, resume_step) and has log(step, metrics) and close().
+
+
 class _TensorBoardSink:
-    def __init__(self, run_dir: Path, run_name: str | None, config: dict | None) -> None:
+    def __init__(
+        self, run_dir: Path, run_name: str | None, config: dict | None, resume_step: int | None
+    ) -> None:
         _import_sink("tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        # on resume, drop the events the crashed attempt logged after the checkpoint (as metrics.jsonl does)
+        purge_step = None if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
         if config is not None:
             self.writer.add_text("config", f"```\n{json.dumps(config, indent=2)}\n```")
 
@@ -201,7 +213,11 @@ class _TensorBoardSink:
 
 
 class _WandbSink:
-    def __init__(self, run_dir: Path, run_name: str | None, config: dict | None) -> None:
+    """A resumed run is a new W&B run whose steps continue after the checkpoint's."""
+
+    def __init__(
+        self, run_dir: Path, run_name: str | None, config: dict | None, resume_step: int | None
+    ) -> None:
         self.wandb = _import_sink("wandb")
         self.run = self.wandb.init(project="lmppo", name=run_name, config=config, dir=str(run_dir))
 
@@ -213,7 +229,11 @@ class _WandbSink:
 
 
 class _MlflowSink:
-    def __init__(self, run_dir: Path, run_name: str | None, config: dict | None) -> None:
+    """A resumed run is a new MLflow run whose steps continue after the checkpoint's."""
+
+    def __init__(
+        self, run_dir: Path, run_name: str | None, config: dict | None, resume_step: int | None
+    ) -> None:
         self.mlflow = _import_sink("mlflow")
         self.mlflow.start_run(run_name=run_name)
         if config is not None:  # as an artifact: a nested config overflows MLflow's param limits
@@ -249,7 +269,9 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise LmppoError(f"no metrics at {path}: is {run_dir} a run directory?")
-    return [{RENAMED_METRICS.get(k, k): _from_json_number(v) for k, v in r.items()} for r in _parse_lines(path)]
+    return [
+        {RENAMED_METRICS.get(k, k): _from_json_number(v) for k, v in r.items()} for r in _parse_lines(path)
+    ]
 
 
 def _keep_records_up_to(path: Path, last_step: int | None) -> None:
@@ -273,7 +295,8 @@ class MetricsLogger:
     """Writes each step's metrics to ``RUN_DIR/metrics.jsonl`` and the configured trackers.
 
     Only the main process writes; on the others ``log`` and ``close`` do nothing. ``resume_step``:
-    drop records after that step (left by the attempt that crashed after the checkpoint).
+    drop records after that step (left by the attempt that crashed after the checkpoint), in the JSONL
+    file and in TensorBoard's event files.
     """
 
     def __init__(
@@ -299,7 +322,7 @@ class MetricsLogger:
         self.path = run_dir / METRICS_FILE
         _keep_records_up_to(self.path, resume_step)
         self.trackers = [
-            _TRACKERS[s](run_dir, run_name, config) for s in dict.fromkeys(sinks) if s != "jsonl"
+            _TRACKERS[s](run_dir, run_name, config, resume_step) for s in dict.fromkeys(sinks) if s != "jsonl"
         ]
         self._file = self.path.open("a")
 

@@ -122,7 +122,9 @@ def load_tokenizer(model: ModelSource | str | os.PathLike) -> PreTrainedTokenize
     spec = as_model_source(model)
     source = resolve_source(spec.path, spec.gguf_file)
     try:
-        return AutoTokenizer.from_pretrained(source.directory, **_from_pretrained_kwargs(spec, source, weights=False))
+        return AutoTokenizer.from_pretrained(
+            source.directory, **_from_pretrained_kwargs(spec, source, weights=False)
+        )
     except (OSError, ValueError, KeyError) as err:
         if source.gguf_file:
             raise LmppoError(
@@ -155,7 +157,10 @@ def load_reward_model(model: ModelSource | str | os.PathLike, *, new_head: bool 
     extra = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     try:
         scorer, info = AutoModelForSequenceClassification.from_pretrained(
-            source.directory, num_labels=1, output_loading_info=True, **extra,
+            source.directory,
+            num_labels=1,
+            output_loading_info=True,
+            **extra,
             **_from_pretrained_kwargs(spec, source),
         )
     except (OSError, ValueError, RuntimeError) as err:
@@ -375,7 +380,9 @@ def with_lora(model: nn.Module, lora) -> nn.Module:
     else ``model`` itself (all weights trained)."""
     if not lora.enabled:
         return model
-    return apply_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)
+    return apply_lora(
+        model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules
+    )
 
 
 class LoraReference:

@@ -53,8 +53,9 @@ def quickstart_config(out_dir: Path, world, overrides: list[str]) -> QuickstartC
     return validate_config(raw, source="quickstart settings", schema=QuickstartConfig)
 
 
-def run_quickstart(out_dir: str | Path = "runs/quickstart", *, seed: int = 0, fast: bool = False,
-                   overrides: list[str] = ()) -> dict:
+def run_quickstart(
+    out_dir: str | Path = "runs/quickstart", *, seed: int = 0, fast: bool = False, overrides: list[str] = ()
+) -> dict:
     """Run every stage; returns the evaluation summary (also printed and written to the run)."""
     out_dir, started = Path(out_dir), time.perf_counter()
     if (out_dir / "ppo").exists():
@@ -69,8 +70,15 @@ def run_quickstart(out_dir: str | Path = "runs/quickstart", *, seed: int = 0, fa
     with console.status("[2/6] SFT on noisy demonstrations"):
         tokenizer = load_tokenizer(world.policy_dir)
         policy = load_causal_lm(world.policy_dir)
-        sft = train_sft(policy, tokenizer, read_jsonl(world.data["sft_train"]), epochs=cfg.sft.epochs,
-                        lr=cfg.sft.lr, batch_size=cfg.sft.batch_size, seed=seed)
+        sft = train_sft(
+            policy,
+            tokenizer,
+            read_jsonl(world.data["sft_train"]),
+            epochs=cfg.sft.epochs,
+            lr=cfg.sft.lr,
+            batch_size=cfg.sft.batch_size,
+            seed=seed,
+        )
         policy.save_pretrained(out_dir / "sft")
         tokenizer.save_pretrained(out_dir / "sft")
     console.print(f"[2/6] SFT: {sft['steps']} steps, final loss {sft['loss'][-1]:.3f}, {sft['time_s']:.0f} s")
@@ -78,13 +86,21 @@ def run_quickstart(out_dir: str | Path = "runs/quickstart", *, seed: int = 0, fa
     with console.status("[3/6] reward model: Bradley-Terry on preference pairs, from the SFT transformer"):
         rm_tokenizer = load_tokenizer(world.reward_tokenizer_dir)
         rm = reward_model_from_policy(policy, rm_tokenizer, seed=seed)
-        rm_stats = train_reward_model(rm, rm_tokenizer, read_jsonl(world.data["prefs_train"]),
-                                      epochs=cfg.reward_model.epochs, lr=cfg.reward_model.lr,
-                                      batch_size=cfg.reward_model.batch_size, seed=seed)
+        rm_stats = train_reward_model(
+            rm,
+            rm_tokenizer,
+            read_jsonl(world.data["prefs_train"]),
+            epochs=cfg.reward_model.epochs,
+            lr=cfg.reward_model.lr,
+            batch_size=cfg.reward_model.batch_size,
+            seed=seed,
+        )
         rm_eval = evaluate_reward_model(rm, rm_tokenizer, read_jsonl(world.data["prefs_test"]))
         rm.save_pretrained(out_dir / "rm")
         rm_tokenizer.save_pretrained(out_dir / "rm")
-    console.print(f"[3/6] reward model: held-out accuracy {rm_eval['accuracy']:.3f} ({rm_stats['time_s']:.0f} s)")
+    console.print(
+        f"[3/6] reward model: held-out accuracy {rm_eval['accuracy']:.3f} ({rm_stats['time_s']:.0f} s)"
+    )
 
     ppo_cfg = cfg.ppo_run
     eval_prompts = [row["prompt"] for row in read_jsonl(world.data["prompts_test"])]
@@ -92,16 +108,26 @@ def run_quickstart(out_dir: str | Path = "runs/quickstart", *, seed: int = 0, fa
 
     def evaluate(policy_model, reference, reward_fn) -> EvalResult:
         return evaluate_policy(
-            policy_model, tokenizer, eval_prompts, reward_fn=reward_fn, reference=reference, gold_fn=gold_score,
-            demonstrations=demos, slice_fn=lambda prompt: task_of(prompt).kind,
-            generator_options=generator_options(ppo_cfg), batch_size=ppo_cfg.run.eval_batch_size, seed=seed,
+            policy_model,
+            tokenizer,
+            eval_prompts,
+            reward_fn=reward_fn,
+            reference=reference,
+            gold_fn=gold_score,
+            demonstrations=demos,
+            slice_fn=lambda prompt: task_of(prompt).kind,
+            generator_options=generator_options(ppo_cfg),
+            batch_size=ppo_cfg.run.eval_batch_size,
+            seed=seed,
         )
 
     def periodic_eval(models: PPOModels):
         return lambda: evaluate(models.policy, models.reference, models.reward).metrics
 
-    console.print(f"[4/6] PPO: {ppo_cfg.run.steps} steps of {ppo_cfg.rollout.batch_size} prompts, "
-                  f"beta {ppo_cfg.kl.beta}")
+    console.print(
+        f"[4/6] PPO: {ppo_cfg.run.steps} steps of {ppo_cfg.rollout.batch_size} prompts, "
+        f"beta {ppo_cfg.kl.beta}"
+    )
     run_dir = train(ppo_cfg, evaluator_factory=periodic_eval)
     write_rm_eval_json(run_dir, rm_eval)
 
@@ -120,7 +146,11 @@ def run_quickstart(out_dir: str | Path = "runs/quickstart", *, seed: int = 0, fa
 
     html = report(run_dir)
     minutes = (time.perf_counter() - started) / 60
-    (run_dir / "quickstart.json").write_text(json.dumps(
-        {"minutes": minutes, "seed": seed, "rm_accuracy": rm_eval["accuracy"], "summary": summary}, indent=2))
+    (run_dir / "quickstart.json").write_text(
+        json.dumps(
+            {"minutes": minutes, "seed": seed, "rm_accuracy": rm_eval["accuracy"], "summary": summary},
+            indent=2,
+        )
+    )
     console.print(f"[6/6] report: {html}\nquickstart took {minutes:.1f} min")
     return summary

@@ -185,8 +185,16 @@ def run_train_rm(cfg) -> dict:
     held_out = load_preference_jsonl(cfg.eval_data) if cfg.eval_data else None
     tokenizer = load_tokenizer(m)
     model = with_lora(load_reward_model(m, new_head=True, pad_token_id=tokenizer.pad_token_id), cfg.lora)
-    stats = train_reward_model(model, tokenizer, pairs, epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size,
-                               seed=cfg.seed, chat_template=m.chat_template)
+    stats = train_reward_model(
+        model,
+        tokenizer,
+        pairs,
+        epochs=cfg.epochs,
+        lr=cfg.lr,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        chat_template=m.chat_template,
+    )
     stats["trained_parameters"] = trained_parameter_count(model)
     model = merged(model)
     out = Path(cfg.output_dir)

@@ -33,7 +33,6 @@ from lmppo.data import Prompt, render_query_ids
 from lmppo.errors import LmppoError
 from lmppo.models import ValueModel, eval_mode, unwrap_model
 
-
 # --------------------------------------------------------------------------------------------------
 # The rollout batch
 # --------------------------------------------------------------------------------------------------
@@ -274,7 +273,9 @@ def trim_padding(rollout: Rollout) -> Rollout:
     if first == 0 and length == rollout.response_ids.shape[1]:
         return rollout
     queries = {name: getattr(rollout, name)[:, first:] for name in ("query_ids", "query_mask")}
-    responses = {name: getattr(rollout, name)[:, :length] for name in ("response_ids", "response_mask", "logp_old")}
+    responses = {
+        name: getattr(rollout, name)[:, :length] for name in ("response_ids", "response_mask", "logp_old")
+    }
     extras = {k: v[:, :length] if v.dim() == 2 else v for k, v in rollout.extras.items()}
     return dataclasses.replace(rollout, **queries, **responses, extras=extras)
 
@@ -465,14 +466,22 @@ class HFGenerator:
         """
         batch, width = query_ids.shape
         device = query_ids.device
-        cache = {_cache_argument(self.model): StaticCache(config=unwrap_model(self.model).config,
-                                                          max_cache_len=width + self.max_new_tokens)}
+        cache = {
+            _cache_argument(self.model): StaticCache(
+                config=unwrap_model(self.model).config, max_cache_len=width + self.max_new_tokens
+            )
+        }
         attention_mask = torch.zeros(batch, width + self.max_new_tokens, dtype=torch.long, device=device)
         attention_mask[:, :width] = query_mask
         positions = (query_mask.cumsum(dim=1) - 1).clamp(min=0)
         logits = self.model(
-            input_ids=query_ids, attention_mask=attention_mask, position_ids=positions, **cache,
-            cache_position=torch.arange(width, device=device), logits_to_keep=1, use_cache=True,
+            input_ids=query_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            **cache,
+            cache_position=torch.arange(width, device=device),
+            logits_to_keep=1,
+            use_cache=True,
         ).logits[:, -1]
         stops = torch.tensor(self.stop_token_ids, device=device)
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -490,8 +499,12 @@ class HFGenerator:
             attention_mask[:, cursor] = 1
             position = position + 1
             logits = self.model(
-                input_ids=token[:, None], attention_mask=attention_mask, position_ids=position,
-                **cache, cache_position=torch.tensor([cursor], device=device), use_cache=True,
+                input_ids=token[:, None],
+                attention_mask=attention_mask,
+                position_ids=position,
+                **cache,
+                cache_position=torch.tensor([cursor], device=device),
+                use_cache=True,
             ).logits[:, -1]
         return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)
 

@@ -103,16 +103,23 @@ def _train(
 
     models = load_models(cfg, device)
     trainer = PPOTrainer(
-        cfg, models, load_prompts(cfg.data.prompts, cfg.data.split),
+        cfg,
+        models,
+        load_prompts(cfg.data.prompts, cfg.data.split),
         ptx_batches=ptx_batches(cfg, models.tokenizer, device, dist_info.rank),
-        group=dist_info.group, rank=dist_info.rank, world_size=dist_info.world_size,
+        group=dist_info.group,
+        rank=dist_info.rank,
+        world_size=dist_info.world_size,
     )
     evaluator = evaluator_factory(models) if evaluator_factory else None
     if dist_info.world_size > 1:
         seed_everything(rank_seed(cfg.run.seed, dist_info.rank))  # then each rank samples its own responses
     guards = Guards(cfg.guards)
-    manifest = {"config": cfg.model_dump(mode="json"), "identities": models.identities,
-                "world_size": dist_info.world_size}
+    manifest = {
+        "config": cfg.model_dump(mode="json"),
+        "identities": models.identities,
+        "world_size": dist_info.world_size,
+    }
 
     def save(tag: str) -> Path | None:
         """Called on every rank (the RNG states are gathered); rank 0 writes. Returns the path on rank 0."""
@@ -120,12 +127,24 @@ def _train(
         state["guards"] = guards.state_dict()
         if not dist_info.is_main:
             return None
-        return save_checkpoint(run_dir / CHECKPOINTS_DIR, trainer.step_count, tensors=tensors, state=state,
-                               manifest=manifest, tag=tag, keep_last=cfg.run.keep_last)
+        return save_checkpoint(
+            run_dir / CHECKPOINTS_DIR,
+            trainer.step_count,
+            tensors=tensors,
+            state=state,
+            manifest=manifest,
+            tag=tag,
+            keep_last=cfg.run.keep_last,
+        )
 
     if checkpoint is not None:
-        differences = check_compatible(checkpoint.manifest, manifest["config"], models.identities,
-                                       allow_config_change, dist_info.world_size)
+        differences = check_compatible(
+            checkpoint.manifest,
+            manifest["config"],
+            models.identities,
+            allow_config_change,
+            dist_info.world_size,
+        )
         manifest["resumed_with_differences"] = differences
         trainer.load_state_payload(checkpoint.tensors, checkpoint.state)
         guards.load_state_dict(checkpoint.state["guards"])
@@ -136,10 +155,17 @@ def _train(
         save("ok")  # step 0: the pre-PPO bundle is the first last-known-good checkpoint
 
     with (
-        MetricsLogger(run_dir, cfg.logging.sinks, is_main_process=dist_info.is_main, run_name=cfg.logging.run_name,
-                      config=manifest["config"], resume_step=trainer.step_count if checkpoint else None) as logger,
-        ProgressDisplay(cfg.run.steps, quiet=cfg.logging.quiet, start_step=trainer.step_count,
-                        enabled=dist_info.is_main) as progress,
+        MetricsLogger(
+            run_dir,
+            cfg.logging.sinks,
+            is_main_process=dist_info.is_main,
+            run_name=cfg.logging.run_name,
+            config=manifest["config"],
+            resume_step=trainer.step_count if checkpoint else None,
+        ) as logger,
+        ProgressDisplay(
+            cfg.run.steps, quiet=cfg.logging.quiet, start_step=trainer.step_count, enabled=dist_info.is_main
+        ) as progress,
         StopOnSignal() as stop,
     ):
         while trainer.step_count < cfg.run.steps:
@@ -160,7 +186,9 @@ def _train(
             if any_rank(stop.requested is not None, dist_info.group):  # a signal may reach one rank first
                 path = save("interrupted")
                 if dist_info.is_main:
-                    progress.console.print(f"{stop.requested or 'a signal'}: saved {path}; continue with --resume")
+                    progress.console.print(
+                        f"{stop.requested or 'a signal'}: saved {path}; continue with --resume"
+                    )
                 return run_dir
             every = cfg.run.checkpoint_every
             if every and trainer.step_count % every == 0 and trainer.step_count < cfg.run.steps:
@@ -176,7 +204,9 @@ def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Checkpoint | None:
     latest = latest_checkpoint(run_dir)
     if resume:
         if latest is None:
-            raise LmppoError(f"--resume: {run_dir} holds no checkpoint to resume; start the run without --resume")
+            raise LmppoError(
+                f"--resume: {run_dir} holds no checkpoint to resume; start the run without --resume"
+            )
         return load_checkpoint(latest)
     if latest is not None:
         raise LmppoError(
@@ -186,7 +216,9 @@ def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Checkpoint | None:
     return None
 
 
-def ptx_batches(cfg: Config, tokenizer, device, rank: int = 0) -> Callable[[], dict[str, torch.Tensor]] | None:
+def ptx_batches(
+    cfg: Config, tokenizer, device, rank: int = 0
+) -> Callable[[], dict[str, torch.Tensor]] | None:
     """PPO-ptx: an endless, seeded stream of SFT batches from data.ptx_demonstrations."""
     if cfg.data.ptx_demonstrations is None or cfg.ppo.ptx_coef == 0:
         return None
@@ -206,7 +238,10 @@ def export_final(out_dir: Path, models: PPOModels, cfg: Config) -> Path:
     if isinstance(policy, PeftModel):
         policy = policy.merge_and_unload()  # training is over: fold the adapter into the weights
     policy.generation_config = GenerationConfig(
-        do_sample=True, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+        do_sample=True,
+        temperature=cfg.rollout.temperature,
+        top_k=cfg.rollout.top_k,
+        top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens,
         eos_token_id=sorted({*cfg.rollout.stop_token_ids, models.tokenizer.eos_token_id} - {None}),
         pad_token_id=models.tokenizer.pad_token_id,
@@ -214,8 +249,11 @@ def export_final(out_dir: Path, models: PPOModels, cfg: Config) -> Path:
     policy.save_pretrained(out_dir)
     models.tokenizer.save_pretrained(out_dir)
     reward = cfg.reward.model.path if cfg.reward.model else f"the function {cfg.reward.function}"
-    kl = (f"adaptive, target {cfg.kl.target} nats, horizon {cfg.kl.horizon}" if cfg.kl.adaptive
-          else f"fixed beta = {cfg.kl.beta}")
+    kl = (
+        f"adaptive, target {cfg.kl.target} nats, horizon {cfg.kl.horizon}"
+        if cfg.kl.adaptive
+        else f"fixed beta = {cfg.kl.beta}"
+    )
     (out_dir / "README.md").write_text(
         f"# PPO policy trained with lmppo\n\n"
         f"- Started from: `{cfg.models.policy.path}` (reference: the starting weights)\n"

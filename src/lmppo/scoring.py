@@ -94,7 +94,8 @@ class RewardModelScorer:
         too_long = sum(self.max_length is not None and len(ids) > self.max_length for ids in rows)
         if too_long:
             warnings.warn(
-                f"{too_long} reward-model inputs exceed {self.max_length} tokens; keeping their last tokens"
+                f"{too_long} reward-model inputs exceed {self.max_length} tokens; keeping their last tokens",
+                stacklevel=2,
             )
             rows = [ids[-self.max_length :] for ids in rows]
         scores = [
@@ -156,8 +157,14 @@ def load_function(spec: str, what: str = "reward function") -> Callable:
     directory), with errors naming ``what`` and the spec."""
     module_name, sep, attribute = spec.rpartition(":")
     if not sep or not module_name or not attribute:
-        raise LmppoError(f"{what} {spec!r} must look like 'package.module:function' or 'path/to/file.py:function'.")
-    module = _import_file(module_name, spec, what) if module_name.endswith(".py") else _import_module(module_name, spec, what)
+        raise LmppoError(
+            f"{what} {spec!r} must look like 'package.module:function' or 'path/to/file.py:function'."
+        )
+    module = (
+        _import_file(module_name, spec, what)
+        if module_name.endswith(".py")
+        else _import_module(module_name, spec, what)
+    )
     function = getattr(module, attribute, None)
     if function is None:
         raise LmppoError(f"{what} {spec!r}: module {module_name!r} has no attribute {attribute!r}.")
@@ -179,7 +186,9 @@ def _import_module(name: str, spec: str, what: str):
 def _import_file(path: str, spec: str, what: str):
     file = Path(path).expanduser()
     if not file.is_file():
-        raise LmppoError(f"{what} {spec!r}: no file {file.resolve()} (a relative path starts at the working directory).")
+        raise LmppoError(
+            f"{what} {spec!r}: no file {file.resolve()} (a relative path starts at the working directory)."
+        )
     name = f"lmppo_user_{file.stem}_{hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:8]}"
     if name not in sys.modules:  # import once: the module may build tables at import time
         module_spec = importlib.util.spec_from_file_location(name, file)

@@ -121,8 +121,16 @@ def run_sft(cfg) -> dict:
     tokenizer = load_tokenizer(cfg.model)
     model = with_lora(load_causal_lm(cfg.model), cfg.lora)
     examples = [{"prompt": p, "response": r} for p, r in load_demonstrations(cfg.data)]
-    stats = train_sft(model, tokenizer, examples, epochs=cfg.epochs, lr=cfg.lr, batch_size=cfg.batch_size,
-                      seed=cfg.seed, chat_template=cfg.model.chat_template)
+    stats = train_sft(
+        model,
+        tokenizer,
+        examples,
+        epochs=cfg.epochs,
+        lr=cfg.lr,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        chat_template=cfg.model.chat_template,
+    )
     stats["trained_parameters"] = trained_parameter_count(model)
     model = merged(model)  # what is evaluated is what is saved
     if cfg.eval_data:

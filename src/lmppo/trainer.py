@@ -22,7 +22,14 @@ from lmppo.build import PPOModels, build_generator
 from lmppo.checkpoint import capture_rng_state, flatten_state, restore_rng_state, unflatten_state
 from lmppo.config import Config
 from lmppo.data import Prompt, PromptStream
-from lmppo.distributed import all_sum, check_world_size, data_parallel, gather_objects, rank_seed, seed_everything
+from lmppo.distributed import (
+    all_sum,
+    check_world_size,
+    data_parallel,
+    gather_objects,
+    rank_seed,
+    seed_everything,
+)
 from lmppo.errors import LmppoError
 from lmppo.metrics import timed
 from lmppo.models import trainable_parameters
@@ -83,9 +90,14 @@ class PPOTrainer:
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        check_world_size(world_size, **{"rollout.batch_size": cfg.rollout.batch_size,
-                                         "ppo.minibatch_size": cfg.ppo.minibatch_size,
-                                         "ppo.micro_batch_size": cfg.ppo.micro_batch_size})
+        check_world_size(
+            world_size,
+            **{
+                "rollout.batch_size": cfg.rollout.batch_size,
+                "ppo.minibatch_size": cfg.ppo.minibatch_size,
+                "ppo.micro_batch_size": cfg.ppo.micro_batch_size,
+            },
+        )
         self.cfg, self.models, self.group = cfg, models, group
         self.policy, self.reference, self.value_model = models.policy, models.reference, models.value
         # Dropout stays off for the whole run (as in TRL): the stored log-probs and values and the
@@ -99,10 +111,18 @@ class PPOTrainer:
         if group is not None:
             self.train_module, self.allreduce_counter = data_parallel(self.train_module, group)
         if cfg.rollout.engine == "vllm" and world_size > 1:
-            raise LmppoError("rollout.engine=vllm runs with one process; use rollout.engine=hf under torchrun")
+            raise LmppoError(
+                "rollout.engine=vllm runs with one process; use rollout.engine=hf under torchrun"
+            )
         self.generator = generator or build_generator(cfg, models)
-        self.prompt_stream = PromptStream(prompts, cfg.rollout.batch_size, shuffle=cfg.data.shuffle,
-                                          seed=cfg.run.seed, rank=rank, world_size=world_size)
+        self.prompt_stream = PromptStream(
+            prompts,
+            cfg.rollout.batch_size,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.run.seed,
+            rank=rank,
+            world_size=world_size,
+        )
         self.ptx_batches = ptx_batches
         self.rank, self.world_size = rank, world_size
         self.optimizer = self._build_optimizer()
@@ -111,10 +131,13 @@ class PPOTrainer:
         )
         self.kl_controller = (
             core.AdaptiveKLController(cfg.kl.beta, cfg.kl.target, cfg.kl.horizon)
-            if cfg.kl.adaptive else core.FixedKLController(cfg.kl.beta)
+            if cfg.kl.adaptive
+            else core.FixedKLController(cfg.kl.beta)
         )
         self.score_transform = ScoreTransform(
-            missing_eos_penalty=cfg.reward.missing_eos_penalty, clip=cfg.reward.clip, normalize=cfg.reward.normalize
+            missing_eos_penalty=cfg.reward.missing_eos_penalty,
+            clip=cfg.reward.clip,
+            normalize=cfg.reward.normalize,
         )
         self.shuffle_generator = torch.Generator().manual_seed(cfg.run.seed + 1 + rank)
         self.step_count = 0  # PPO steps done
@@ -153,24 +176,25 @@ class PPOTrainer:
                 rollout = self.collect_rollout()
             lag = self.policy_version - rollout.policy_version
 
-            # 2-4. Score, stored passes, shaped rewards, GAE, whitening (stored in rollout.extras).
+            # 2-3. Reward, stored passes, shaped rewards, GAE, whitening (stored in rollout.extras).
             with timed(seconds, "perf/score_s"):
                 reward_stats = self.score_and_estimate(rollout)
 
-            # 5. PPO epochs over shuffled minibatches; an engine with its own weights gets the new policy.
+            # 4. PPO epochs over shuffled minibatches; an engine with its own weights gets the new policy.
             with timed(seconds, "perf/update_s"):
                 update_stats = self.update(rollout)
             if update_stats["health/nonfinite_updates"] < update_stats["policy/updates"]:
                 self.policy_version += 1  # the policy changed: rollouts sampled before are one version older
                 self.sync_generator(seconds)
 
-            # 6. KL controller, fed the global mean per-sequence KL and stepped once per sample.
+            # 5. KL controller, fed the global mean per-sequence KL and stepped once per sample.
             beta = self.kl_controller.value
             self.kl_controller.update(reward_stats["kl/ref"], n_steps=cfg.rollout.batch_size)
             self.scheduler.step()
             self.step_count += 1
 
         n_tokens = reward_stats["response/length"] * cfg.rollout.batch_size
+        trained_tokens = n_tokens * update_stats["policy/epochs"]
         self.episodes += cfg.rollout.batch_size
         self.tokens += round(n_tokens)
         metrics = {
@@ -181,7 +205,7 @@ class PPOTrainer:
             "health/nonfinite": reward_stats["health/nonfinite"] + update_stats["health/nonfinite_updates"],
             **seconds,
             "perf/rollout_tokens_per_s": n_tokens / max(seconds["perf/rollout_s"], 1e-9),
-            "perf/train_tokens_per_s": n_tokens * update_stats["policy/epochs"] / max(seconds["perf/update_s"], 1e-9),
+            "perf/train_tokens_per_s": trained_tokens / max(seconds["perf/update_s"], 1e-9),
             "perf/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
         if self.allreduce_counter is not None:
@@ -201,7 +225,9 @@ class PPOTrainer:
         """Generate for the next prompts; regenerate when the rollout lags more than allowed."""
         max_age = self.cfg.rollout.max_rollout_age
         for _ in range(3):
-            rollout = self.generator.generate(self.prompt_stream.next_batch(), policy_version=self.policy_version)
+            rollout = self.generator.generate(
+                self.prompt_stream.next_batch(), policy_version=self.policy_version
+            )
             if self.policy_version - rollout.policy_version <= max_age:
                 return rollout
         raise LmppoError(
@@ -226,7 +252,9 @@ class PPOTrainer:
         with timed(seconds, "perf/reference_s"):
             logp_ref = sequence_logprobs(self.reference, rollout, forward_batch_size=forward_batch)
         with timed(seconds, "perf/values_s"):
-            values, bootstrap_value = value_predictions(self.value_model, rollout, forward_batch_size=forward_batch)
+            values, bootstrap_value = value_predictions(
+                self.value_model, rollout, forward_batch_size=forward_batch
+            )
         tis_stats = self._truncated_importance_sampling(rollout) if cfg.ppo.tis_cap else {}
 
         # A truncated row either ends the episode (scored, nothing after it) or is unfinished (its future,
@@ -244,7 +272,9 @@ class PPOTrainer:
             advantages = core.masked_whiten(advantages, mask, group=group)
         rollout.extras.update(logp_ref=logp_ref, values=values, advantages=advantages, returns=returns)
 
-        kl_per_token = torch.where(mask.bool(), core.kl_estimate(rollout.logp_old, logp_ref, cfg.kl.estimator), 0.0)
+        kl_per_token = torch.where(
+            mask.bool(), core.kl_estimate(rollout.logp_old, logp_ref, cfg.kl.estimator), 0.0
+        )
         per_row = {  # sequence-level quantities, averaged over all ranks' rows
             "reward/rm_score": rm_score_raw,
             "reward/kl_penalty": -beta * kl_per_token.sum(1),
@@ -257,19 +287,31 @@ class PPOTrainer:
         if transform_stats or cfg.rollout.truncation == "bootstrap":
             per_row["reward/rm_score_used"] = rm_score
         every_row = torch.ones(1, len(rollout), device=mask.device)
-        stats = {key: core.masked_mean(value[None], every_row, group).item() for key, value in per_row.items()}
+        stats = {
+            key: core.masked_mean(value[None], every_row, group).item() for key, value in per_row.items()
+        }
         stats.update(transform_stats)
         stats.update(seconds)
         stats.update(tis_stats)
-        stats.update({
-            "adv/mean": adv_mean.item(),
-            "adv/std": adv_std.item(),
-            "value/explained_var": core.explained_variance(values, returns, mask, group).item(),
-            "lag/rollout_age_s": time.time() - rollout.created_at,
-            "health/nonfinite": all_sum(sum((~torch.isfinite(t)).sum().double() for t in (  # all ranks
-                rm_score_raw, torch.where(mask.bool(), logp_ref, 0.0), torch.where(mask.bool(), values, 0.0))),
-                group).item(),
-        })
+        stats.update(
+            {
+                "adv/mean": adv_mean.item(),
+                "adv/std": adv_std.item(),
+                "value/explained_var": core.explained_variance(values, returns, mask, group).item(),
+                "lag/rollout_age_s": time.time() - rollout.created_at,
+                "health/nonfinite": all_sum(
+                    sum(
+                        (~torch.isfinite(t)).sum().double()
+                        for t in (  # all ranks
+                            rm_score_raw,
+                            torch.where(mask.bool(), logp_ref, 0.0),
+                            torch.where(mask.bool(), values, 0.0),
+                        )
+                    ),
+                    group,
+                ).item(),
+            }
+        )
         return stats
 
     def _truncated_importance_sampling(self, rollout: Rollout) -> dict[str, float]:
@@ -277,12 +319,19 @@ class PPOTrainer:
         each token by ``min(p_trainer / p_engine, cap)`` (``extras["tis_weights"]``). The engine's
         log-probs move to ``extras["logp_engine"]``."""
         mask = rollout.response_mask
-        logp_trainer = sequence_logprobs(self.policy, rollout, forward_batch_size=self.cfg.rollout.forward_batch_size)
-        weights = core.truncated_importance_weights(logp_trainer, rollout.logp_old, mask, self.cfg.ppo.tis_cap)
+        logp_trainer = sequence_logprobs(
+            self.policy, rollout, forward_batch_size=self.cfg.rollout.forward_batch_size
+        )
+        weights = core.truncated_importance_weights(
+            logp_trainer, rollout.logp_old, mask, self.cfg.ppo.tis_cap
+        )
         rollout.extras.update(logp_engine=rollout.logp_old, tis_weights=weights)
         rollout.logp_old = logp_trainer
-        return {"engine/tis_clip_frac": core.masked_mean((weights >= self.cfg.ppo.tis_cap).float(), mask,
-                                                      self.group).item()}
+        return {
+            "engine/tis_clip_frac": core.masked_mean(
+                (weights >= self.cfg.ppo.tis_cap).float(), mask, self.group
+            ).item()
+        }
 
     def update(self, rollout: Rollout) -> dict[str, float]:
         """``ppo_epochs`` passes of clipped-surrogate updates; stops early when approx KL is too high."""
@@ -297,7 +346,9 @@ class PPOTrainer:
                 stats = self.minibatch_update(minibatch)
                 ratio_max = max(ratio_max, stats.pop("policy/ratio_max"))
                 logp_gap = stats.pop("engine/logp_gap")
-                if n_updates == 0:  # before any update: the sampler's log-probs vs the trainer's, same weights
+                if (
+                    n_updates == 0
+                ):  # before any update: the sampler's log-probs vs the trainer's, same weights
                     engine_logp_gap = logp_gap
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
@@ -363,9 +414,17 @@ class PPOTrainer:
         mask, extras = micro.response_mask, micro.extras
         logits, values = self.train_module(micro)
         logp_new = core.token_logprobs(logits, micro.response_ids)
-        policy_loss, clip_frac = core.ppo_clip_loss(logp_new, micro.logp_old, extras["advantages"], mask, ppo.clip_eps,
-                                                    token_weights=extras.get("tis_weights"))
-        v_loss, v_clip_frac = core.value_loss(values, extras["values"], extras["returns"], mask, ppo.value_clip_eps)
+        policy_loss, clip_frac = core.ppo_clip_loss(
+            logp_new,
+            micro.logp_old,
+            extras["advantages"],
+            mask,
+            ppo.clip_eps,
+            token_weights=extras.get("tis_weights"),
+        )
+        v_loss, v_clip_frac = core.value_loss(
+            values, extras["values"], extras["returns"], mask, ppo.value_clip_eps
+        )
         if ppo.ent_coef > 0:
             entropy = core.masked_entropy(logits, mask)
         else:  # only a metric: no graph through a (B, R, V) entropy
@@ -379,7 +438,8 @@ class PPOTrainer:
                 "policy/clip_frac": clip_frac.item(),
                 "policy/approx_kl": core.approx_kl(logp_new, micro.logp_old, mask).item(),
                 "engine/logp_gap": core.masked_mean(
-                    (logp_new - extras.get("logp_engine", micro.logp_old)).abs(), mask).item(),
+                    (logp_new - extras.get("logp_engine", micro.logp_old)).abs(), mask
+                ).item(),
                 "policy/entropy": entropy.item(),
                 "policy/ratio_mean": core.masked_mean(ratio, mask).item(),
                 "policy/ratio_sq": core.masked_mean(ratio**2, mask).item(),
@@ -392,7 +452,9 @@ class PPOTrainer:
     def ptx_loss(self) -> torch.Tensor:
         """InstructGPT's PPO-ptx term: next-token loss on a batch of demonstrations (response tokens)."""
         batch = self.ptx_batches()
-        out = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        out = self.policy(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+        )
         return out.loss
 
     def _clip_gradients(self) -> tuple[float, float, bool]:
@@ -406,7 +468,9 @@ class PPOTrainer:
         for group in self.optimizer.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
-            if max_norm / (norm + 1e-6) < 1.0:  # clip_grad_norm_'s factor; NaN / inf norms skip the step anyway
+            if (
+                max_norm / (norm + 1e-6) < 1.0
+            ):  # clip_grad_norm_'s factor; NaN / inf norms skip the step anyway
                 torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
             norms.append(float(norm))
         return norms[0], norms[1], all(math.isfinite(n) for n in norms)
@@ -417,12 +481,17 @@ class PPOTrainer:
 
     def _trained_modules(self) -> dict[str, tuple[nn.Module, set[int]]]:
         """name -> (module, ids of parameters saved under another name: the shared trunk)."""
-        return {"policy": (self.policy, set()), "value": (self.value_model, {id(p) for p in self.policy.parameters()})}
+        return {
+            "policy": (self.policy, set()),
+            "value": (self.value_model, {id(p) for p in self.policy.parameters()}),
+        }
 
     def state_payload(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
         """``(tensors, state)`` for :func:`lmppo.checkpoint.save_checkpoint` (no pickle anywhere)."""
         tensors = {
-            name: {k: p.detach() for k, p in module.named_parameters() if p.requires_grad and id(p) not in skip}
+            name: {
+                k: p.detach() for k, p in module.named_parameters() if p.requires_grad and id(p) not in skip
+            }
             for name, (module, skip) in self._trained_modules().items()
         }
         optimizer_tensors, optimizer_skeleton = flatten_state(self.optimizer.state_dict())
@@ -430,8 +499,9 @@ class PPOTrainer:
         # Every rank's generators (each samples and shuffles its own stream); the rest of the state is
         # the same on every rank. A collective: every rank calls this, rank 0 writes.
         rng_json, rng_tensors = capture_rng_state()
-        per_rank = gather_objects((rng_json, {**rng_tensors, "shuffle": self.shuffle_generator.get_state()}),
-                                  self.group)
+        per_rank = gather_objects(
+            (rng_json, {**rng_tensors, "shuffle": self.shuffle_generator.get_state()}), self.group
+        )
         tensors["rng"] = {f"rank{r}/{k}": v for r, (_, t) in enumerate(per_rank) for k, v in t.items()}
         state = {
             "step": self.step_count,
@@ -447,7 +517,9 @@ class PPOTrainer:
         }
         return tensors, state
 
-    def _restore_rank_rng(self, tensors: dict[str, torch.Tensor], per_rank_json: list[dict], step: int) -> None:
+    def _restore_rank_rng(
+        self, tensors: dict[str, torch.Tensor], per_rank_json: list[dict], step: int
+    ) -> None:
         """This rank's generators from the checkpoint; re-seeded when it was written by another world size."""
         saved_world = len(per_rank_json)
         if saved_world != self.world_size:  # check_compatible refused this unless --allow-config-change

