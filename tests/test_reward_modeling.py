@@ -24,7 +24,8 @@ from lmppo.reward_modeling import (
     train_reward_model,
 )
 from lmppo.scoring import RewardModelScorer, render_for_reward_model
-from lmppo.sft import merged, pad, train_sft
+from lmppo.sft import train_sft
+from lmppo.supervised import merged, pad
 from lmppo.toy import task
 from lmppo.toy.models import build_policy, reward_model_from_policy
 from lmppo.toy.tokenizer import policy_tokenizer, reward_tokenizer, train_bpe

@@ -10,8 +10,6 @@ pooling takes the last token that is not the pad id, which reads one token early
 from __future__ import annotations
 
 import json
-import random
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from lmppo.data import prompt_of_row, read_jsonl
 from lmppo.errors import LmppoError
 from lmppo.models import ValueModel, load_reward_model, load_tokenizer, with_lora
 from lmppo.scoring import RewardModelScorer
-from lmppo.supervised import UpdateRule, merged, pad, shuffled_batches, trained_parameter_count
+from lmppo.supervised import fit, merged, pad, trained_parameter_count
 
 PAIR_KEYS = ("prompt", "chosen", "rejected")
 RM_EVAL_FILE = "rm_eval.json"  # evaluate_reward_model's summary, beside the model and in a run directory
@@ -78,31 +76,23 @@ def train_reward_model(
     if not pairs:
         raise LmppoError("reward model: no preference pairs to train on; check the preference data file")
     scorer = RewardModelScorer(model, tokenizer, chat_template=chat_template)
-    total_steps = epochs * -(-len(pairs) // batch_size)
-    update = UpdateRule(
+
+    def batch_loss(chunk: list[dict]) -> tuple[torch.Tensor, dict[str, float]]:
+        chosen, rejected = _pair_scores(model, scorer, chunk)
+        return bradley_terry_loss(chosen, rejected), {"accuracy": (chosen > rejected).float().mean().item()}
+
+    return fit(
         model,
+        pairs,
+        batch_loss,
+        epochs=epochs,
         lr=lr,
-        total_steps=total_steps,
+        batch_size=batch_size,
+        seed=seed,
         weight_decay=weight_decay,
         warmup_frac=warmup_frac,
         max_grad_norm=max_grad_norm,
     )
-    rng, losses, accuracies, start = random.Random(seed), [], [], time.perf_counter()
-    model.train()
-    for _ in range(epochs):
-        for chunk in shuffled_batches(pairs, batch_size, rng):
-            chosen, rejected = _pair_scores(model, scorer, chunk)
-            loss = bradley_terry_loss(chosen, rejected)
-            update.step(loss)
-            losses.append(loss.item())
-            accuracies.append((chosen > rejected).float().mean().item())
-    model.eval()
-    return {
-        "loss": losses,
-        "accuracy": accuracies,
-        "steps": len(losses),
-        "time_s": time.perf_counter() - start,
-    }
 
 
 def _summary(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:

@@ -7,8 +7,6 @@ included) is a target; query and padding positions get the label -100. Works for
 
 from __future__ import annotations
 
-import random
-import time
 from collections.abc import Sequence
 
 import torch
@@ -17,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lmppo.data import load_demonstrations, render_query_ids
 from lmppo.errors import LmppoError
 from lmppo.models import load_causal_lm, load_tokenizer, with_lora
-from lmppo.supervised import UpdateRule, merged, pad, shuffled_batches, trained_parameter_count
+from lmppo.supervised import fit, merged, pad, trained_parameter_count
 
 IGNORE = -100  # label of positions that carry no loss
 
@@ -75,26 +73,26 @@ def train_sft(
     """
     if not examples:
         raise LmppoError("SFT: no demonstrations to train on; check the SFT data file")
-    total_steps = epochs * -(-len(examples) // batch_size)
-    update = UpdateRule(
+
+    def batch_loss(chunk: list[dict]) -> tuple[torch.Tensor, dict[str, float]]:
+        batch = sft_batch(tokenizer, chunk, chat_template)
+        loss = model(**batch).loss  # HF shifts labels and averages over the non -100 targets
+        return loss, {"tokens": int((batch["labels"] != IGNORE).sum())}
+
+    stats = fit(
         model,
+        examples,
+        batch_loss,
+        epochs=epochs,
         lr=lr,
-        total_steps=total_steps,
+        batch_size=batch_size,
+        seed=seed,
         weight_decay=weight_decay,
         warmup_frac=warmup_frac,
         max_grad_norm=max_grad_norm,
     )
-    rng, losses, tokens, start = random.Random(seed), [], 0, time.perf_counter()
-    model.train()
-    for _ in range(epochs):
-        for chunk in shuffled_batches(examples, batch_size, rng):
-            batch = sft_batch(tokenizer, chunk, chat_template)
-            loss = model(**batch).loss  # HF shifts labels and averages over the non -100 targets
-            update.step(loss)
-            losses.append(loss.item())
-            tokens += int((batch["labels"] != IGNORE).sum())
-    model.eval()
-    return {"loss": losses, "steps": len(losses), "tokens": tokens, "time_s": time.perf_counter() - start}
+    stats["tokens"] = sum(stats.pop("tokens", []))
+    return stats
 
 
 @torch.no_grad()

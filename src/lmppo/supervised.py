@@ -4,7 +4,8 @@ batches, the AdamW + warmup/cosine update rule, and saving a LoRA model merged."
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 from peft import PeftModel
@@ -60,6 +61,46 @@ class UpdateRule:
         torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         self.optimizer.step()
         self.schedule.step()
+
+
+def fit(
+    model: torch.nn.Module,
+    items: Sequence,
+    batch_loss: Callable[[list], tuple[torch.Tensor, dict[str, float]]],
+    *,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    weight_decay: float,
+    warmup_frac: float,
+    max_grad_norm: float,
+) -> dict:
+    """``epochs`` of shuffled batches of ``items``, one :class:`UpdateRule` step on each batch's loss.
+
+    ``batch_loss(batch) -> (loss, extras)``. The model trains in train mode and is left in eval mode.
+    Returns ``{"loss": per-step losses, <each extra>: per-step values, "steps", "time_s"}``.
+    """
+    total_steps = epochs * -(-len(items) // batch_size)
+    update = UpdateRule(
+        model,
+        lr=lr,
+        total_steps=total_steps,
+        weight_decay=weight_decay,
+        warmup_frac=warmup_frac,
+        max_grad_norm=max_grad_norm,
+    )
+    rng, history, start = random.Random(seed), {"loss": []}, time.perf_counter()
+    model.train()
+    for _ in range(epochs):
+        for batch in shuffled_batches(items, batch_size, rng):
+            loss, extras = batch_loss(batch)
+            update.step(loss)
+            history["loss"].append(loss.item())
+            for name, value in extras.items():
+                history.setdefault(name, []).append(value)
+    model.eval()
+    return {**history, "steps": len(history["loss"]), "time_s": time.perf_counter() - start}
 
 
 def merged(model: torch.nn.Module) -> PreTrainedModel:
