@@ -178,7 +178,7 @@ def test_approx_kl_is_k3_of_old_to_new():
 
 
 # --------------------------------------------------------------------------------------------------
-# Shaped rewards (the seeds' worked example, §1 of seeds/003)
+# Shaped rewards (the worked example of docs/core.md)
 # --------------------------------------------------------------------------------------------------
 
 

@@ -13,7 +13,40 @@ import yaml
 from helpers import comparable, run_cli, write_config
 
 from lmppo.checkpoint import last_good_checkpoint, latest_checkpoint, load_checkpoint
+from lmppo.config import load_config
+from lmppo.errors import LmppoError
 from lmppo.metrics import read_metrics
+from lmppo.run import ptx_batches, resolve_device
+
+
+def test_ptx_batches_are_a_seeded_stream_of_demonstrations_per_rank(run_files, policy_tokenizer):
+    demos = run_files.parent / "demos.jsonl"
+    words = ["cat", "dog", "sun", "rain", "tree", "bird", "red", "blue"]
+    demos.write_text(
+        "".join(json.dumps({"prompt": f"tell me about the {w}", "response": w}) + "\n" for w in words)
+    )
+    assert ptx_batches(load_config(run_files), policy_tokenizer, "cpu") is None  # ppo.ptx_coef is 0
+    cfg = load_config(
+        run_files, [f"data.ptx_demonstrations={demos}", "ppo.ptx_coef=0.5", "ppo.ptx_batch_size=3"]
+    )
+
+    def draws(rank: int) -> list[torch.Tensor]:
+        stream = ptx_batches(cfg, policy_tokenizer, "cpu", rank)
+        return [stream()["input_ids"] for _ in range(3)]
+
+    first, again, other_rank = draws(0), draws(0), draws(1)
+    assert (
+        first[0].shape[0] == 3 and (first[0] == policy_tokenizer.eos_token_id).any()
+    )  # responses end with EOS
+    assert all(torch.equal(a, b) for a, b in zip(first, again))  # the same seed, the same stream
+    assert not all(torch.equal(a, b) for a, b in zip(first, other_rank))  # each rank its own demonstrations
+
+
+def test_a_cuda_run_without_a_visible_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(LmppoError, match="run.device=cpu or auto"):
+        resolve_device("cuda")
+    assert resolve_device("auto").type == "cpu"
 
 
 def policy_tensors(run_dir):

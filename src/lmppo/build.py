@@ -71,7 +71,7 @@ def load_reward(reward_cfg: RewardConfig, device: torch.device | str = "cpu") ->
     identity = model_identity(
         "reward",
         model,
-        source=resolve_source(spec.path, spec.gguf_file),
+        source=resolve_source(spec),
         tokenizer=tokenizer,
         chat_template=spec.chat_template,
     ).to_dict()
@@ -101,11 +101,11 @@ def load_models(cfg: Config, device: torch.device) -> PPOModels:
     The order is fixed: LoRA adapters and fresh heads draw their initial weights from the global RNG.
     """
     m = cfg.models
-    policy_source = resolve_source(m.policy.path, m.policy.gguf_file)
+    policy_source = resolve_source(m.policy)
     tokenizer = load_tokenizer(m.policy)
     policy = with_lora(load_causal_lm(m.policy).to(device), m.policy_lora)
     if m.reference is not None:
-        reference_source = resolve_source(m.reference.path, m.reference.gguf_file)
+        reference_source = resolve_source(m.reference)
         reference = freeze(load_causal_lm(m.reference)).to(device)
     else:  # the policy's starting weights: adapter-disabled view with LoRA, else a frozen copy
         reference_source, reference = policy_source, make_reference(policy)

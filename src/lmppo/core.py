@@ -2,7 +2,7 @@
 
 Conventions (see docs/core.md for the formulas with a worked example):
 - Per-token tensors are ``(B, L)``. In a rollout ``L`` is the response length ``R`` and position ``t``
-  is response token ``t``; the functions work on any layout (e.g. the seeds' ``(B, T-1)``) given a mask.
+  is response token ``t``; the functions work on any layout (e.g. a full-sequence ``(B, T-1)``) given a mask.
 - ``mask`` / ``response_mask`` is ``(B, L)``, 1 where a position counts. A masked position never changes
   a result, whatever it holds (padding garbage, ``inf``, ``nan``): values are selected with
   ``torch.where``, never multiplied by the mask. An all-masked batch gives 0, never a division by zero.
@@ -77,7 +77,7 @@ def masked_whiten(
     """``(x - mean) / (std + eps)`` with mean and (population) std over the mask; 0 where masked.
 
     With ``shift_mean=False`` the mean is added back (only the scale changes). (B, L) -> (B, L).
-    Population std, as in the seeds; with a process group the statistics are over all ranks' tokens.
+    Population std (divided by the token count); with a process group, over all ranks' tokens.
     """
     mean = masked_mean(x.float(), mask, group)
     std = masked_var(x.float(), mask, unbiased=False, group=group).sqrt()
@@ -122,7 +122,7 @@ def kl_estimate(logp: torch.Tensor, logp_ref: torch.Tensor, kind: KLEstimator = 
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from ``pi``. (B, L) -> (B, L).
 
     With ``log_ratio = logp - logp_ref``:
-    - ``k1 = log_ratio``: unbiased, signed per token (the seeds' default; it sums to the sequence KL).
+    - ``k1 = log_ratio``: unbiased, signed per token (the default, as in TRL; it sums to the sequence KL).
     - ``k2 = 0.5 * log_ratio**2``: low variance, biased.
     - ``k3 = (ratio - 1) - log ratio`` with ``ratio = pi_ref / pi``: unbiased and >= 0 everywhere.
     """

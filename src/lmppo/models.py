@@ -63,12 +63,12 @@ def as_model_source(model: ModelSource | str | os.PathLike) -> ModelSource:
     return model if isinstance(model, ModelSource) else ModelSource(path=str(model))
 
 
-def resolve_source(path: str | os.PathLike, gguf_file: str | None = None) -> ResolvedSource:
-    """Find a model on disk: a directory, a ``.gguf`` file, or a hub id already in the local HF cache.
-
-    Raises :class:`LmppoError` when nothing is on disk: lmppo never downloads.
+def resolve_source(model: ModelSource | str | os.PathLike) -> ResolvedSource:
+    """Find a model section's (or a bare path's) files: a directory, a ``.gguf`` file, or a hub id already
+    in the local HF cache. Raises :class:`LmppoError` when nothing is on disk: lmppo never downloads.
     """
-    local = Path(path).expanduser()
+    spec = as_model_source(model)
+    local, gguf_file = Path(spec.path).expanduser(), spec.gguf_file
     if local.is_file() and local.suffix == ".gguf" and gguf_file is None:
         return ResolvedSource(local.parent, local.name)
     if local.is_dir():
@@ -77,14 +77,14 @@ def resolve_source(path: str | os.PathLike, gguf_file: str | None = None) -> Res
                 f"GGUF file {gguf_file!r} not found in {local}; check `gguf_file` in the config."
             )
         return ResolvedSource(local, gguf_file)
-    cached = _local_hub_snapshot(str(path))
+    cached = _local_hub_snapshot(spec.path)
     if cached is None:
         raise LmppoError(
-            f"model path {str(path)!r} does not exist and is not in the local Hugging Face cache. "
+            f"model path {spec.path!r} does not exist and is not in the local Hugging Face cache. "
             "lmppo never downloads models: fetch it first (e.g. `hf download ORG/NAME --local-dir DIR`) "
             "and point the config at that directory."
         )
-    return resolve_source(cached, gguf_file)
+    return resolve_source(ModelSource(path=str(cached), gguf_file=gguf_file))
 
 
 def _local_hub_snapshot(repo_id: str) -> Path | None:
@@ -120,7 +120,7 @@ def _load_error(what: str, source: ResolvedSource, err: Exception) -> LmppoError
 def load_tokenizer(model: ModelSource | str | os.PathLike) -> PreTrainedTokenizerBase:
     """The tokenizer (with its chat template) of a model section (or a bare path): directory or GGUF."""
     spec = as_model_source(model)
-    source = resolve_source(spec.path, spec.gguf_file)
+    source = resolve_source(spec)
     try:
         return AutoTokenizer.from_pretrained(
             source.directory, **_from_pretrained_kwargs(spec, source, weights=False)
@@ -137,7 +137,7 @@ def load_tokenizer(model: ModelSource | str | os.PathLike) -> PreTrainedTokenize
 def load_causal_lm(model: ModelSource | str | os.PathLike) -> PreTrainedModel:
     """A causal LM (policy or reference) from a model section (or a bare path), in its ``dtype``."""
     spec = as_model_source(model)
-    source = resolve_source(spec.path, spec.gguf_file)
+    source = resolve_source(spec)
     try:
         return AutoModelForCausalLM.from_pretrained(source.directory, **_from_pretrained_kwargs(spec, source))
     except (OSError, ValueError) as err:
@@ -153,7 +153,7 @@ def load_reward_model(model: ModelSource | str | os.PathLike, *, new_head: bool 
     ``pad_token_id`` goes into its config.
     """
     spec = as_model_source(model)
-    source = resolve_source(spec.path, spec.gguf_file)
+    source = resolve_source(spec)
     extra = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     try:
         scorer, info = AutoModelForSequenceClassification.from_pretrained(
