@@ -382,3 +382,13 @@ def test_kl_controller_moves_beta_toward_target():
     assert restored.value == ctl.value
     with pytest.raises(ValueError):
         core.AdaptiveKLController(0.1, 0.0, 10)
+
+
+def test_gae_keeps_float64_precision():
+    rewards = torch.tensor([[1e-9, 0.0, 1.0]], dtype=torch.float64)
+    values = torch.tensor([[1.0 + 1e-12, 0.5, 0.25]], dtype=torch.float64)
+    mask = torch.ones(1, 3)
+    advantages, returns = core.gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    assert advantages.dtype == torch.float64
+    expected = rewards.sum() - values[0, 0]  # with gamma = lam = 1, A_0 is the return minus V_0
+    assert abs(advantages[0, 0].item() - expected.item()) < 1e-15  # fp32 would be off by ~1e-7

@@ -72,7 +72,10 @@ class RewardConfig(Section):
     )
     batch_size: int = Field(16, gt=0)
     max_length: int | None = Field(None, gt=0, description="truncate RM inputs (its own tokens)")
-    missing_eos_penalty: float | None = Field(None, description="added to the score of truncated rows")
+    missing_eos_penalty: float | None = Field(
+        None,
+        description="subtracted from the score of truncated rows (no stop token); needs rollout.truncation=terminal",
+    )
     clip: float | None = Field(None, gt=0, description="clip scores to [-clip, clip]")
     normalize: bool = Field(False, description="running mean/std normalisation of scores")
 

@@ -211,24 +211,26 @@ def gae(
         bootstrap_value: (B,) value of the state after the last response token: ``V`` of that state
             for a truncated row, 0 for a row that ended with EOS. None means all zeros.
     Returns:
-        ``(advantages, returns)``, each (B, L), ``returns = advantages + values``, zero outside the mask.
+        ``(advantages, returns)``, each (B, L), ``returns = advantages + values``, zero outside the mask;
+        computed in the wider of fp32 and the inputs' dtype, returned in ``rewards``' dtype.
     """
     keep = response_mask.bool()
-    rewards32, values32 = rewards.float(), values.float()
+    dtype = torch.promote_types(torch.promote_types(rewards.dtype, values.dtype), torch.float32)  # >= fp32
+    rewards_, values_ = rewards.to(dtype), values.to(dtype)
     batch, length = rewards.shape
-    next_value = torch.zeros(batch, device=rewards.device)
+    next_value = torch.zeros(batch, device=rewards.device, dtype=dtype)
     if bootstrap_value is not None:
-        next_value = next_value + bootstrap_value.float()
-    next_adv = torch.zeros(batch, device=rewards.device)
-    advantages = torch.zeros(batch, length, device=rewards.device)
+        next_value = next_value + bootstrap_value.to(dtype)
+    next_adv = torch.zeros(batch, device=rewards.device, dtype=dtype)
+    advantages = torch.zeros(batch, length, device=rewards.device, dtype=dtype)
     for t in reversed(range(length)):  # one vectorised step per position; rows in parallel
         m = keep[:, t]
-        delta = rewards32[:, t] + gamma * next_value - values32[:, t]
+        delta = rewards_[:, t] + gamma * next_value - values_[:, t]
         adv_t = delta + gamma * lam * next_adv
         next_adv = torch.where(m, adv_t, next_adv)
-        next_value = torch.where(m, values32[:, t], next_value)
+        next_value = torch.where(m, values_[:, t], next_value)
         advantages[:, t] = torch.where(m, adv_t, 0.0)
-    returns = torch.where(keep, advantages + values32, 0.0)
+    returns = torch.where(keep, advantages + values_, 0.0)
     return advantages.to(rewards.dtype), returns.to(rewards.dtype)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jinja2 import TemplateError
 
 from lmppo.errors import LmppoError
 
@@ -22,15 +23,75 @@ def as_messages(prompt: Prompt) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
 
 
+def render_chat(
+    tokenizer, messages: list[dict[str, str]], chat_template: str | None, *, add_generation_prompt: bool
+) -> str:
+    """The text of a conversation under the chat template (``chat_template`` overrides the tokenizer's)."""
+    try:
+        return tokenizer.apply_chat_template(
+            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    except TemplateError as err:
+        roles = [m.get("role") for m in messages]
+        raise LmppoError(
+            f"the chat template refused a conversation with roles {roles}: {err}. Use the roles the model's "
+            "template knows (usually system, user, assistant), or set the model's chat_template."
+        ) from None
+
+
+def encode_chat(
+    tokenizer, messages: list[dict[str, str]], chat_template: str | None, *, add_generation_prompt: bool
+) -> list[int]:
+    """Token ids of a conversation in which only the template makes control tokens.
+
+    A message whose text spells a special token (``<|im_end|>``, ``</s>``, ...) would otherwise become
+    that control token and could forge a turn: prompt text opening an assistant turn, or a response
+    spelling an end of turn for the reward model. Such text is tokenised as plain text, message by
+    message, between the template's own pieces. Text without special tokens is tokenised in one piece.
+    """
+    text = render_chat(tokenizer, messages, chat_template, add_generation_prompt=add_generation_prompt)
+    specials = _special_token_texts(tokenizer)
+    if not any(special in m["content"] for m in messages for special in specials):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds any BOS
+    marked = [{**m, "content": f"{_MARK}{i}{_MARK}"} for i, m in enumerate(messages)]
+    pieces = render_chat(tokenizer, marked, chat_template, add_generation_prompt=add_generation_prompt).split(
+        _MARK
+    )
+    ids = []
+    for k, piece in enumerate(pieces):
+        if k % 2 == 0:  # the template's own text, control tokens included
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+            continue
+        content = messages[int(piece)]["content"]
+        content_ids = tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        forged = set(content_ids) & set(tokenizer.all_special_ids) | {
+            i for i in content_ids if tokenizer.convert_ids_to_tokens(i) in specials
+        }
+        if forged:
+            raise LmppoError(
+                f"a {messages[int(piece)].get('role')} message spells the control token(s) "
+                f"{sorted(tokenizer.convert_ids_to_tokens(i) for i in forged)}, which this tokenizer cannot "
+                "encode as plain text; remove them from the text."
+            )
+        ids += content_ids
+    return ids
+
+
+_MARK = "\u2063lmppo-message\u2063"  # stands for a message's text while the template renders (invisible separator)
+
+
+def _special_token_texts(tokenizer) -> set[str]:
+    """The text of every special (control) token of ``tokenizer``."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return {*tokenizer.all_special_tokens, *(t.content for t in added.values() if t.special)}
+
+
 def render_query_ids(tokenizer, prompt: Prompt, chat_template: str | None = None) -> list[int]:
     """Token ids of a prompt as the policy sees it: its chat template with ``add_generation_prompt=True``.
 
     Rollouts and SFT both render with this, so the policy is trained and sampled on the same tokens.
     """
-    text = tokenizer.apply_chat_template(
-        as_messages(prompt), chat_template=chat_template, add_generation_prompt=True, tokenize=False
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds any BOS
+    return encode_chat(tokenizer, as_messages(prompt), chat_template, add_generation_prompt=True)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -377,9 +377,10 @@ class HFGenerator:
         self.max_prompt_length = self._prompt_limit(max_prompt_length)
         if top_k > 0 or top_p < 1.0:
             warnings.warn(
-                f"top_k={top_k} / top_p={top_p}: logp_old is recorded from the untruncated tempered "
-                "distribution, so rollouts are slightly off-policy (the PPO ratio at the first epoch is not "
-                "exactly 1; policy/ratio_mean and policy/clip_frac show by how much).",
+                f"top_k={top_k} / top_p={top_p}: tokens are drawn from the truncated distribution but logp_old "
+                "and the update's log-probs are of the untruncated tempered one, so the first ratio is 1 while "
+                "the samples are slightly off-policy for the distribution PPO optimises (rare tokens are "
+                "never drawn).",
                 stacklevel=2,
             )
 

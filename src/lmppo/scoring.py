@@ -23,7 +23,7 @@ import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmppo.core import masked_mean, masked_var
-from lmppo.data import Prompt, as_messages
+from lmppo.data import Prompt, as_messages, encode_chat, render_chat
 from lmppo.errors import LmppoError
 from lmppo.models import ValueModel, eval_mode
 
@@ -39,15 +39,21 @@ class RewardFunction(Protocol):
 # --------------------------------------------------------------------------------------------------
 
 
+def reward_model_messages(prompt: Prompt, response: str) -> list[dict[str, str]]:
+    """The conversation a reward model scores: the prompt's turns, then the assistant's ``response``."""
+    return [*as_messages(prompt), {"role": "assistant", "content": response}]
+
+
 def render_for_reward_model(
     tokenizer: PreTrainedTokenizerBase, prompt: Prompt, response: str, chat_template: str | None = None
 ) -> str:
-    """The text a reward model scores: the conversation ending in the assistant's ``response``.
+    """The text a reward model scores (what :meth:`RewardModelScorer.render` tokenises), for reading it.
 
-    Reward-model training must render pairs with this same function, so scoring sees what training saw.
+    Reward-model training renders pairs through the same scorer, so scoring sees what training saw.
     """
-    messages = [*as_messages(prompt), {"role": "assistant", "content": response}]
-    return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False)
+    return render_chat(
+        tokenizer, reward_model_messages(prompt, response), chat_template, add_generation_prompt=False
+    )
 
 
 class RewardModelScorer:
@@ -84,9 +90,10 @@ class RewardModelScorer:
         if self.raw_text:
             if not isinstance(prompt, str):
                 raise LmppoError("raw_text scoring needs plain-text prompts, got chat messages.")
-            return self.tokenizer(prompt + response).input_ids
-        text = render_for_reward_model(self.tokenizer, prompt, response, self.chat_template)
-        return self.tokenizer(text, add_special_tokens=False).input_ids  # the template holds any BOS
+            # no template: the tokenizer adds its own BOS, and no text becomes a control token
+            return self.tokenizer(prompt + response, split_special_tokens=True).input_ids
+        messages = reward_model_messages(prompt, response)
+        return encode_chat(self.tokenizer, messages, self.chat_template, add_generation_prompt=False)
 
     def __call__(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> torch.Tensor:
         """(B,) float32 scores on the CPU."""

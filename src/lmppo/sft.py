@@ -30,7 +30,9 @@ def sft_features(
     if tokenizer.eos_token_id is None:
         raise LmppoError("SFT: the tokenizer has no EOS token; set tokenizer.eos_token so responses can end")
     query = render_query_ids(tokenizer, prompt, chat_template)
-    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    # split_special_tokens: a response's text never becomes a control token; the EOS target is appended
+    response_ids = tokenizer(response, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    response_ids = response_ids + [tokenizer.eos_token_id]
     return query + response_ids, [IGNORE] * len(query) + response_ids
 
 
