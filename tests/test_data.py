@@ -22,12 +22,56 @@ def test_prompts_from_jsonl_strings_and_messages(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "row", [{"text": "x"}, {"prompt": ""}, {"messages": []}, {"messages": [{"role": "user"}]}]
+    "row, message",
+    [
+        ({"text": "x"}, "has no prompt"),
+        ({"prompt": ""}, "has no prompt"),
+        ({"messages": []}, "has no prompt"),
+        ({"messages": "hello"}, "has no prompt"),  # messages must be a list
+        ({"messages": [{"role": "user"}]}, "messages turn 1 must be a {'role', 'content'} object"),
+        ({"messages": [{"role": "user", "content": 3}]}, "string content"),
+        ({"messages": [{"role": "narrator", "content": "hi"}]}, "role 'narrator'"),
+        (
+            {"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            "end with an assistant turn",
+        ),
+    ],
 )
-def test_row_without_prompt_names_the_row(tmp_path, row):
+def test_a_bad_row_is_named_by_file_and_line(tmp_path, row, message):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "ok"}, row])
-    with pytest.raises(LmppoError, match=r"p\.jsonl, row 2 has no prompt"):
+    with pytest.raises(LmppoError, match=r"p\.jsonl, line 2") as err:
         load_prompts(path)
+    assert message in str(err.value)
+
+
+def test_a_file_that_is_not_utf8_names_its_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(LmppoError, match=r"p\.jsonl, line 2: not UTF-8"):
+        load_prompts(path)
+
+
+def test_a_directory_that_is_no_dataset_or_a_damaged_dataset_is_named(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(LmppoError, match="plain is a directory but not a dataset"):
+        load_prompts(tmp_path / "plain")
+    with pytest.raises(LmppoError, match="is a directory; give the path of a JSONL file"):
+        load_demonstrations(tmp_path / "plain")
+    datasets.Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}]).save_to_disk(str(tmp_path / "ds"))
+    for arrow in (tmp_path / "ds").glob("*.arrow"):
+        arrow.write_bytes(arrow.read_bytes()[:40])  # truncated
+    with pytest.raises(LmppoError, match="cannot read the dataset directory"):
+        load_prompts(tmp_path / "ds")
+    (tmp_path / "ds" / "state.json").unlink()
+    with pytest.raises(LmppoError, match="cannot read the dataset directory|not a dataset"):
+        load_prompts(tmp_path / "ds")
+
+
+def test_an_empty_demonstrations_file_is_named(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(LmppoError, match=r"empty\.jsonl holds no demonstrations"):
+        load_demonstrations(tmp_path / "empty.jsonl")
 
 
 def test_bad_json_line_and_missing_file(tmp_path):
@@ -50,7 +94,7 @@ def test_prompts_from_a_datasets_directory(tmp_path):
 
 def test_demonstrations_need_a_response(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "response": "a"}, {"prompt": "q"}])
-    with pytest.raises(LmppoError, match="row 2 has no 'response'"):
+    with pytest.raises(LmppoError, match="line 2 has no 'response'"):
         load_demonstrations(path)
 
 

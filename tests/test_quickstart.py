@@ -37,4 +37,4 @@ def test_train_rm_rejects_a_row_without_chosen(tmp_path, capsys):
     (tmp_path / "rm.yaml").write_text(yaml.safe_dump(config))
     assert run_cli("train-rm", str(tmp_path / "rm.yaml")) == 2
     err = capsys.readouterr().err
-    assert "pairs.jsonl, row 1" in err and "'chosen'" in err and "Traceback" not in err
+    assert "pairs.jsonl, line 1" in err and "'chosen'" in err and "Traceback" not in err

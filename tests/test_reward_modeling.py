@@ -144,11 +144,11 @@ def test_load_preference_jsonl_accepts_text_and_chat_prompts(tmp_path):
 @pytest.mark.parametrize(
     ("bad_row", "message"),
     [
-        ({"prompt": "count to 2", "rejected": "1."}, "row 2: missing key 'chosen'"),
-        ({"chosen": "1 2.", "rejected": "1."}, "row 2 has no prompt"),
+        ({"prompt": "count to 2", "rejected": "1."}, "line 2: missing key 'chosen'"),
+        ({"chosen": "1 2.", "rejected": "1."}, "line 2 has no prompt"),
         (
             {"prompt": "count to 2", "chosen": ["1 2."], "rejected": "1."},
-            "row 2: 'chosen' must be the response text",
+            "line 2: 'chosen' must be the response text",
         ),
         ('{"prompt": "count to 2", "chosen": ', "line 2: not valid JSON"),
         (["not", "an", "object"], "line 2: each line must be a JSON object"),
@@ -164,8 +164,20 @@ def test_load_preference_jsonl_names_the_file_row_and_problem(tmp_path, bad_row,
 def test_load_preference_jsonl_refuses_missing_and_empty_files(tmp_path):
     with pytest.raises(LmppoError, match="does not exist"):
         load_preference_jsonl(tmp_path / "nope.jsonl")
-    with pytest.raises(LmppoError, match="holds no preference pairs"):
+    with pytest.raises(LmppoError, match="holds no usable preference pairs"):
         load_preference_jsonl(write_rows(tmp_path / "empty.jsonl", [""]))
+
+
+def test_identical_chosen_and_rejected_are_skipped_with_a_warning(tmp_path):
+    rows = [
+        {"prompt": "count to 2", "chosen": "1 2.", "rejected": "1."},
+        {"prompt": "q", "chosen": "a", "rejected": "a"},
+    ]
+    with pytest.warns(UserWarning, match="skipped 1 pairs whose chosen and rejected responses are identical"):
+        pairs = load_preference_jsonl(write_rows(tmp_path / "ties.jsonl", rows))
+    assert [p["chosen"] for p in pairs] == ["1 2."]
+    with pytest.raises(LmppoError, match="no usable preference pairs"), pytest.warns(UserWarning):
+        load_preference_jsonl(write_rows(tmp_path / "all_ties.jsonl", rows[1:]))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -49,6 +49,20 @@ def test_a_cuda_run_without_a_visible_gpu_is_a_clear_error(monkeypatch):
     assert resolve_device("auto").type == "cpu"
 
 
+def test_resume_before_the_first_checkpoint_says_so(tmp_path, capsys):
+    (tmp_path / "run").mkdir()  # killed while loading models: no config.yaml, no checkpoint yet
+    assert run_cli("ppo", "--resume", str(tmp_path / "run")) == 2
+    err = capsys.readouterr().err
+    assert "holds no checkpoint yet" in err and "start the run again" in err and "Traceback" not in err
+
+
+def test_an_output_dir_that_is_a_file_is_refused_and_left_alone(run_files, capsys):
+    target = run_files.parent / "taken"
+    target.write_text("my notes")
+    assert run_cli("ppo", str(run_files), f"run.output_dir={target}") == 2
+    assert "is an existing file" in capsys.readouterr().err and target.read_text() == "my notes"
+
+
 def policy_tensors(run_dir):
     return load_checkpoint(latest_checkpoint(run_dir)).tensors["policy"]
 
@@ -150,7 +164,8 @@ def test_sigterm_saves_and_resume_continues(run_files):
     _wait_for_step(run_dir, 1, proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
+    assert proc.returncode == 128 + signal.SIGTERM, out  # saved, but unfinished: a scheduler requeues it
+    assert f"continue with `lmppo ppo --resume {run_dir}`" in out and "Traceback" not in out
     stopped = latest_checkpoint(run_dir)
     manifest = json.loads((stopped / "manifest.json").read_text())
     assert manifest["tag"] == "interrupted" and 0 < manifest["step"] < 40

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from lmppo import __version__
-from lmppo.errors import LmppoError
+from lmppo.errors import Interrupted, LmppoError
 
 app = typer.Typer(
     name="lmppo",
@@ -54,9 +54,12 @@ def main() -> None:
     quiet_transformers()
     try:
         app()
+    except Interrupted as stop:  # saved and stopped, as asked: not an error, but not finished either
+        console.print(escape(str(stop)), soft_wrap=True, highlight=False)
+        sys.exit(stop.exit_code)
     except LmppoError as err:
         console.print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True, highlight=False)
-        sys.exit(2)
+        sys.exit(err.exit_code)
 
 
 @app.command()
@@ -73,13 +76,13 @@ def ppo(
 ) -> None:
     """Train a policy with PPO: `lmppo ppo CONFIG section.key=value ...`."""
     from lmppo.config import load_config
-    from lmppo.run import train
+    from lmppo.run import resumed_config, train
 
     overrides = list(overrides or [])
     if config is not None and "=" in str(config):  # `lmppo ppo --resume RUN_DIR a.b=c`
         overrides, config = [str(config), *overrides], None
     if resume is not None:
-        config = config or resume / "config.yaml"
+        config = config or resumed_config(resume)
         overrides.append(f"run.output_dir={resume}")
     if config is None:
         raise LmppoError("give a config file: `lmppo ppo CONFIG`, or `lmppo ppo --resume RUN_DIR`")

@@ -280,6 +280,8 @@ def load_config(
     raw: dict[str, Any] = copy.deepcopy(base or {})
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise LmppoError(f"config file {path} is a directory; pass the path of a YAML config file")
         if not path.is_file():
             raise LmppoError(f"config file {path} does not exist; pass the path of a YAML config")
         try:

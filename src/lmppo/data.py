@@ -94,47 +94,101 @@ def render_query_ids(tokenizer, prompt: Prompt, chat_template: str | None = None
     return encode_chat(tokenizer, as_messages(prompt), chat_template, add_generation_prompt=True)
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """All rows of a JSONL file (blank lines skipped); a bad line is an error naming its number."""
-    path = Path(path)
+ROLES = ("system", "user", "assistant")
+
+
+def _data_file(path: Path) -> Path:
+    if path.is_dir():
+        raise LmppoError(
+            f"data file {path} is a directory; give the path of a JSONL file (one JSON object per line)"
+        )
     if not path.is_file():
         raise LmppoError(f"data file {path} does not exist")
+    return path
+
+
+def located_jsonl(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """``("FILE, line N", row)`` for every row of a JSONL file (blank lines skipped); a bad line is an
+    error naming its number."""
+    path = _data_file(Path(path))
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        line_no = path.read_bytes()[: err.start].count(b"\n") + 1
+        raise LmppoError(
+            f"{path}, line {line_no}: not UTF-8 text ({err.reason}); save the file as UTF-8"
+        ) from None
     rows = []
-    with path.open() as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise LmppoError(f"{path}, line {line_no}: not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise LmppoError(f"{path}, line {line_no}: each line must be a JSON object")
-            rows.append(row)
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise LmppoError(f"{path}, line {line_no}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise LmppoError(f"{path}, line {line_no}: each line must be a JSON object")
+        rows.append((f"{path}, line {line_no}", row))
     return rows
 
 
-def _rows(path: str | Path, split: str | None) -> list[dict[str, Any]]:
-    """Rows of a JSONL file or of a dataset saved with ``datasets``' ``save_to_disk``."""
-    path = Path(path)
-    if path.is_dir():
-        import datasets
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a JSONL file (blank lines skipped); a bad line is an error naming its number."""
+    return [row for _, row in located_jsonl(path)]
 
+
+def _located_rows(path: str | Path, split: str | None) -> list[tuple[str, dict[str, Any]]]:
+    """Rows of a JSONL file or of a dataset saved with ``datasets``' ``save_to_disk``, with where each is."""
+    path = Path(path)
+    if not path.is_dir():
+        return located_jsonl(path)
+    if not any((path / name).is_file() for name in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        raise LmppoError(
+            f"{path} is a directory but not a dataset saved with datasets' save_to_disk (no state.json or "
+            "dataset_dict.json in it); give a JSONL file or such a directory"
+        )
+    import datasets
+    import pyarrow
+
+    try:
         ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            if split is None or split not in ds:
-                raise LmppoError(f"{path} holds splits {list(ds)}; choose one with data.split")
-            ds = ds[split]
-        return [dict(row) for row in ds]
-    return read_jsonl(path)
+    except (OSError, ValueError, KeyError, pyarrow.ArrowException) as err:
+        raise LmppoError(
+            f"cannot read the dataset directory {path} ({type(err).__name__}: {err}); save it again "
+            "with save_to_disk, or give a JSONL file"
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None or split not in ds:
+            raise LmppoError(f"{path} holds splits {list(ds)}; choose one with data.split")
+        ds = ds[split]
+    return [(f"{path}, row {i + 1}", dict(row)) for i, row in enumerate(ds)]
 
 
 def prompt_of_row(row: dict[str, Any], where: str) -> Prompt:
-    """The prompt of one row: ``prompt`` (string or messages) or ``messages``; else an error naming ``where``."""
-    prompt = row.get("prompt", row.get("messages"))
-    if isinstance(prompt, str) and prompt.strip():
+    """The prompt of one row: ``prompt`` (string or messages) or ``messages``; else an error naming ``where``.
+
+    Messages are ``{"role", "content"}`` turns with string content and a role in :data:`ROLES`; the last
+    one may not be the assistant's (the generation prompt would open a second assistant turn).
+    """
+    key = "prompt" if "prompt" in row else "messages"
+    prompt = row.get(key)
+    if isinstance(prompt, str) and prompt.strip() and key == "prompt":
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt):
+    if isinstance(prompt, list) and prompt:
+        for turn, message in enumerate(prompt, start=1):
+            if not (isinstance(message, dict) and isinstance(message.get("content"), str)):
+                raise LmppoError(
+                    f"{where}: {key} turn {turn} must be a {{'role', 'content'}} object with string content"
+                )
+            if message.get("role") not in ROLES:
+                raise LmppoError(
+                    f"{where}: {key} turn {turn} has role {message.get('role')!r}; use one of {list(ROLES)}"
+                )
+        if prompt[-1]["role"] == "assistant":
+            raise LmppoError(
+                f"{where}: the {key} end with an assistant turn, so the generation prompt would open a second "
+                "one; end the prompt with the user's (or system's) turn"
+            )
         return prompt
     raise LmppoError(
         f"{where} has no prompt: each row needs a non-empty 'prompt' string or a 'messages' list of "
@@ -142,22 +196,30 @@ def prompt_of_row(row: dict[str, Any], where: str) -> Prompt:
     )
 
 
-def load_prompts(path: str | Path, split: str | None = None) -> list[Prompt]:
-    rows = _rows(path, split)
+def load_located_prompts(path: str | Path, split: str | None = None) -> list[tuple[str, Prompt]]:
+    """``(where, prompt)`` of every row: ``where`` names the file and line (or dataset row) for errors."""
+    rows = _located_rows(path, split)
     if not rows:
         raise LmppoError(f"{path} holds no prompts")
-    return [prompt_of_row(row, f"{path}, row {i + 1}") for i, row in enumerate(rows)]
+    return [(where, prompt_of_row(row, where)) for where, row in rows]
+
+
+def load_prompts(path: str | Path, split: str | None = None) -> list[Prompt]:
+    return [prompt for _, prompt in load_located_prompts(path, split)]
 
 
 def load_demonstrations(path: str | Path) -> list[tuple[Prompt, str]]:
     """``(prompt, response)`` pairs for SFT and PPO-ptx; rows need a prompt and a ``response`` string."""
     pairs = []
-    for i, row in enumerate(read_jsonl(path)):
-        where = f"{path}, row {i + 1}"
+    for where, row in located_jsonl(path):
         response = row.get("response")
         if not isinstance(response, str):
             raise LmppoError(f"{where} has no 'response' string (keys found: {sorted(row)})")
         pairs.append((prompt_of_row(row, where), response))
+    if not pairs:
+        raise LmppoError(
+            f"{path} holds no demonstrations; each line must be a JSON object with 'prompt' and 'response'"
+        )
     return pairs
 
 

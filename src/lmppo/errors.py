@@ -7,3 +7,14 @@ and keeps its traceback. Messages name the thing that is wrong and say how to fi
 
 class LmppoError(Exception):
     """A user-facing error: the message says what is wrong and what to do about it."""
+
+    exit_code = 2
+
+
+class Interrupted(LmppoError):
+    """A run stopped by SIGINT / SIGTERM after saving a checkpoint. It exits with 128 + the signal's number
+    (130, 143: the shell's convention), so a job scheduler sees an unfinished job and can requeue it."""
+
+    def __init__(self, message: str, signal_number: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signal_number

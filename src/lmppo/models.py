@@ -71,6 +71,11 @@ def resolve_source(model: ModelSource | str | os.PathLike) -> ResolvedSource:
     local, gguf_file = Path(spec.path).expanduser(), spec.gguf_file
     if local.is_file() and local.suffix == ".gguf" and gguf_file is None:
         return ResolvedSource(local.parent, local.name)
+    if local.is_file():
+        raise LmppoError(
+            f"model path {spec.path!r} is a file, not a model: point it at a transformers model directory "
+            "(config.json and safetensors weights) or a .gguf file"
+        )
     if local.is_dir():
         if gguf_file is not None and not (local / gguf_file).is_file():
             raise LmppoError(

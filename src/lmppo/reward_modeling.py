@@ -10,6 +10,7 @@ pooling takes the last token that is not the pad id, which reads one token early
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lmppo.data import prompt_of_row, read_jsonl
+from lmppo.data import located_jsonl, prompt_of_row
 from lmppo.errors import LmppoError
 from lmppo.models import ValueModel, load_reward_model, load_tokenizer, with_lora
 from lmppo.scoring import RewardModelScorer
@@ -147,20 +148,29 @@ def evaluate_reward_model(
 
 def load_preference_jsonl(path: str | Path) -> list[dict]:
     """Rows {"prompt", "chosen", "rejected", ...}: the prompt a string or chat messages (or a "messages"
-    list), the responses strings. A bad row is an error naming the file, the row and the problem."""
-    rows = read_jsonl(path)
-    if not rows:
-        raise LmppoError(
-            f"{path} holds no preference pairs; each line must be a JSON object {list(PAIR_KEYS)}"
-        )
-    for number, row in enumerate(rows, 1):
-        where = f"{path}, row {number}"
+    list), the responses strings. A bad row is an error naming the file, the line and the problem.
+
+    Pairs whose chosen and rejected responses are identical teach nothing: they are skipped with a warning.
+    """
+    rows, ties = [], []
+    for where, row in located_jsonl(path):
         for key in ("chosen", "rejected"):
             if key not in row:
                 raise LmppoError(f"{where}: missing key {key!r}; every row needs {list(PAIR_KEYS)}")
             if not isinstance(row[key], str):
                 raise LmppoError(f"{where}: {key!r} must be the response text, got {type(row[key]).__name__}")
         row["prompt"] = prompt_of_row(row, where)
+        (ties if row["chosen"] == row["rejected"] else rows).append(row)
+    if ties:
+        warnings.warn(
+            f"{path}: skipped {len(ties)} pairs whose chosen and rejected responses are identical",
+            stacklevel=2,
+        )
+    if not rows:
+        raise LmppoError(
+            f"{path} holds no usable preference pairs; each line must be a JSON object {list(PAIR_KEYS)} with "
+            "two different responses"
+        )
     return rows
 
 

@@ -29,7 +29,7 @@ from lmppo.checkpoint import (
 from lmppo.config import Config
 from lmppo.data import load_demonstrations, load_prompts
 from lmppo.distributed import DistInfo, any_rank, barrier, distributed_session, rank_seed, seed_everything
-from lmppo.errors import LmppoError
+from lmppo.errors import Interrupted, LmppoError
 from lmppo.guards import Guards
 from lmppo.metrics import MetricsLogger, ProgressDisplay, reduce_metrics
 from lmppo.sft import sft_batch
@@ -42,7 +42,7 @@ class StopOnSignal:
     """SIGINT / SIGTERM ask the loop to finish the current step, save and exit cleanly."""
 
     def __init__(self) -> None:
-        self.requested: str | None = None
+        self.requested: signal.Signals | None = None
         self._previous: dict = {}
 
     def __enter__(self) -> StopOnSignal:
@@ -54,7 +54,7 @@ class StopOnSignal:
     def _handle(self, signum, frame) -> None:
         if self.requested:  # a second signal: stop now
             raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
+        self.requested = signal.Signals(signum)
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
@@ -185,11 +185,12 @@ def _train(
                 )
             if any_rank(stop.requested is not None, dist_info.group):  # a signal may reach one rank first
                 path = save("interrupted")
-                if dist_info.is_main:
-                    progress.console.print(
-                        f"{stop.requested or 'a signal'}: saved {path}; continue with --resume"
-                    )
-                return run_dir
+                received = stop.requested or signal.SIGTERM  # the rank the signal reached first knows which
+                raise Interrupted(
+                    f"{received.name}: stopped after step {trainer.step_count} and saved "
+                    f"{path or 'the checkpoint'}; continue with `lmppo ppo --resume {run_dir}`",
+                    received.value,
+                )
             every = cfg.run.checkpoint_every
             if every and trainer.step_count % every == 0 and trainer.step_count < cfg.run.steps:
                 save("ok")
@@ -200,7 +201,20 @@ def _train(
     return run_dir
 
 
+def resumed_config(run_dir: Path) -> Path:
+    """The resolved config a run directory holds, for ``--resume``; a clear error when there is none."""
+    config = Path(run_dir) / "config.yaml"
+    if not config.is_file():
+        raise LmppoError(
+            f"--resume: {run_dir} holds no checkpoint yet (the run stopped before its first one was saved, or "
+            "this is not a run directory); start the run again with `lmppo ppo CONFIG`"
+        )
+    return config
+
+
 def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Checkpoint | None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise LmppoError(f"run.output_dir={run_dir} is an existing file; set run.output_dir to a directory")
     latest = latest_checkpoint(run_dir)
     if resume:
         if latest is None:
