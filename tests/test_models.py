@@ -235,3 +235,35 @@ def test_lora_on_a_separate_value_model(make_reward_model, policy_tokenizer):
     values.sum().backward()
     assert value_model.head.weight.grad is not None
     assert model_identity("value", value_model).lora["r"] == 4
+
+
+def test_damaged_or_unsafe_weights_and_wrong_kinds_of_model_are_named(
+    tmp_path, saved_policy, make_reward_model, policy_tokenizer
+):
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    for file in saved_policy.iterdir():
+        (truncated / file.name).write_bytes(file.read_bytes())
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(LmppoError, match="cannot load a causal LM from .*truncated"):
+        load_causal_lm(truncated)
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((saved_policy / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"not even a pickle")
+    with pytest.raises(
+        LmppoError, match=r"only pickled weights \(pytorch_model.bin\): lmppo loads safetensors only"
+    ):
+        load_causal_lm(pickled)
+
+    two_labels = make_reward_model(policy_tokenizer)
+    two_labels.config.num_labels = 2  # its config now says 2 outputs, as a classifier's would
+    two_labels.save_pretrained(tmp_path / "two_labels")
+    with pytest.raises(LmppoError, match="2 outputs; a reward model needs one scalar"):
+        load_reward_model(tmp_path / "two_labels")
+
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    with pytest.raises(LmppoError, match="is a file, not a model"):
+        load_causal_lm(tmp_path / "prompts.jsonl")

@@ -197,3 +197,25 @@ def test_sigkill_at_random_moments_always_resumes_from_an_intact_checkpoint(run_
     step = load_checkpoint(latest_checkpoint(run_dir)).step
     assert run_cli("ppo", "--resume", str(run_dir), f"run.steps={step + 1}") == 0
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, step + 2))
+
+
+def test_a_reward_function_that_raises_shows_its_frames_the_step_and_the_intact_checkpoint(run_files, capsys):
+    (run_files.parent / "flaky.py").write_text(
+        "def score(prompts, responses):\n    return [1.0 / (len(r) - len(r)) for r in responses]\n"
+    )
+    config = write_config(run_files, reward={"function": f"{run_files.parent / 'flaky.py'}:score"})
+    assert run_cli("ppo", str(config)) == 2
+    err = capsys.readouterr().err
+    assert "raised ZeroDivisionError" in err and "flaky.py" in err and "line 2" in err  # the user's frame
+    assert "stopped in step 1" in err and "step-000000" in err and "is intact" in err and "--resume" in err
+    assert "Traceback (most recent call last)" not in err and "lmppo/trainer.py" not in err
+
+
+def test_a_reward_file_with_a_syntax_error_names_the_line(run_files, capsys):
+    (run_files.parent / "broken.py").write_text(
+        "def score(prompts, responses):\n    return [1.0 for r in responses\n"
+    )
+    config = write_config(run_files, reward={"function": f"{run_files.parent / 'broken.py'}:score"})
+    assert run_cli("ppo", str(config)) == 2
+    err = capsys.readouterr().err
+    assert "broken.py, line 2" in err and "Traceback" not in err

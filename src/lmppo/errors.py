@@ -11,6 +11,23 @@ class LmppoError(Exception):
     exit_code = 2
 
 
+class UserCodeError(LmppoError):
+    """The user's own code (a reward function, a judge) raised: the message names it and shows its frames."""
+
+
+def user_code_error(what: str, err: BaseException) -> UserCodeError:
+    """``what`` raised ``err``: a message with the frames of the user's code only (lmppo's are left out)."""
+    import traceback
+    from pathlib import Path
+
+    package = str(Path(__file__).resolve().parent)
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(package)]
+    shown = "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(err))
+    return UserCodeError(
+        f"{what} raised {type(err).__name__}: {err}\n--- its traceback ---\n{shown.rstrip()}"
+    )
+
+
 class Interrupted(LmppoError):
     """A run stopped by SIGINT / SIGTERM after saving a checkpoint. It exits with 128 + the signal's number
     (130, 143: the shell's convention), so a job scheduler sees an unfinished job and can requeue it."""

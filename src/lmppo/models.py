@@ -26,6 +26,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import ModulesToSaveWrapper
+from safetensors import SafetensorError
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
@@ -139,13 +140,27 @@ def load_tokenizer(model: ModelSource | str | os.PathLike) -> PreTrainedTokenize
         raise _load_error("the tokenizer", source, err) from err
 
 
-def load_causal_lm(model: ModelSource | str | os.PathLike) -> PreTrainedModel:
-    """A causal LM (policy or reference) from a model section (or a bare path), in its ``dtype``."""
+def _weights_source(model: ModelSource | str | os.PathLike) -> tuple[ModelSource, ResolvedSource]:
+    """The section and its files, refusing a directory whose weights only pickle could load."""
     spec = as_model_source(model)
     source = resolve_source(spec)
+    if not source.gguf_file:
+        names = {p.name for p in source.directory.iterdir() if p.suffix in WEIGHT_SUFFIXES}
+        if names and not any(name.endswith(".safetensors") for name in names):
+            raise LmppoError(
+                f"{source} holds only pickled weights ({', '.join(sorted(names))}): lmppo loads safetensors only, "
+                "since unpickling runs code from the file. Convert it once, where you trust the file: "
+                "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR)` (safetensors by default)."
+            )
+    return spec, source
+
+
+def load_causal_lm(model: ModelSource | str | os.PathLike) -> PreTrainedModel:
+    """A causal LM (policy or reference) from a model section (or a bare path), in its ``dtype``."""
+    spec, source = _weights_source(model)
     try:
         return AutoModelForCausalLM.from_pretrained(source.directory, **_from_pretrained_kwargs(spec, source))
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:
         raise _load_error("a causal LM", source, err) from err
 
 
@@ -157,8 +172,8 @@ def load_reward_model(model: ModelSource | str | os.PathLike, *, new_head: bool 
     ``new_head=True`` (reward-model training) a causal LM gets a fresh head and everything stays trainable;
     ``pad_token_id`` goes into its config.
     """
-    spec = as_model_source(model)
-    source = resolve_source(spec)
+    spec, source = _weights_source(model)
+    _check_one_label(source)
     extra = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     try:
         scorer, info = AutoModelForSequenceClassification.from_pretrained(
@@ -168,7 +183,7 @@ def load_reward_model(model: ModelSource | str | os.PathLike, *, new_head: bool 
             **extra,
             **_from_pretrained_kwargs(spec, source),
         )
-    except (OSError, ValueError, RuntimeError) as err:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         raise _load_error("a reward model", source, err) from err
     if new_head:
         return scorer
@@ -179,6 +194,21 @@ def load_reward_model(model: ModelSource | str | os.PathLike, *, new_head: bool 
             "model. Train one with `lmppo train-rm`, or point `reward.model.path` at a reward-model checkpoint."
         )
     return freeze(scorer)
+
+
+def _check_one_label(source: ResolvedSource) -> None:
+    """A sequence classifier with several outputs is not a reward model (transformers would resize its head)."""
+    config_file = source.directory / "config.json"
+    if source.gguf_file or not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text())
+    classifier = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+    labels = len(config["id2label"]) if "id2label" in config else 2  # transformers omits its default, 2
+    if classifier and labels != 1:
+        raise LmppoError(
+            f"{source} is a sequence classifier with {labels} outputs; a reward model needs one scalar "
+            "(num_labels=1). Train one with `lmppo train-rm`, or use a reward model with a single output."
+        )
 
 
 def cache_gguf_as_transformers(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:

@@ -29,7 +29,7 @@ from lmppo.checkpoint import (
 from lmppo.config import Config
 from lmppo.data import load_demonstrations, load_prompts
 from lmppo.distributed import DistInfo, any_rank, barrier, distributed_session, rank_seed, seed_everything
-from lmppo.errors import Interrupted, LmppoError
+from lmppo.errors import Interrupted, LmppoError, UserCodeError
 from lmppo.guards import Guards
 from lmppo.metrics import MetricsLogger, ProgressDisplay, reduce_metrics
 from lmppo.sft import sft_batch
@@ -169,7 +169,14 @@ def _train(
         StopOnSignal() as stop,
     ):
         while trainer.step_count < cfg.run.steps:
-            metrics = trainer.step()
+            try:
+                metrics = trainer.step()
+            except UserCodeError as err:  # nothing of the failed step was applied or saved
+                raise UserCodeError(
+                    f"{err}\n--- the run stopped in step {trainer.step_count + 1}; its last checkpoint, "
+                    f"{latest_checkpoint(run_dir)}, is intact: fix the code and continue with "
+                    f"`lmppo ppo --resume {run_dir}`"
+                ) from None
             if evaluator is not None and cfg.run.eval_every and trainer.step_count % cfg.run.eval_every == 0:
                 metrics.update(evaluator())  # in its own RNG stream: the training draws stay as they were
             metrics = reduce_metrics(metrics, dist_info.group)

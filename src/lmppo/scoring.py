@@ -24,7 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmppo.core import masked_mean, masked_var
 from lmppo.data import Prompt, as_messages, encode_chat, render_chat
-from lmppo.errors import LmppoError
+from lmppo.errors import LmppoError, user_code_error
 from lmppo.models import ValueModel, eval_mode
 
 
@@ -145,7 +145,10 @@ class ProgrammaticReward:
         self.function, self.name = function, name
 
     def __call__(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> torch.Tensor:
-        raw = self.function(list(prompts), list(responses))
+        try:
+            raw = self.function(list(prompts), list(responses))
+        except Exception as err:  # the user's code: shown as theirs, with their frames
+            raise user_code_error(f"reward function {self.name}", err) from None
         try:
             scores = torch.as_tensor(raw, dtype=torch.float32).cpu().reshape(-1)
         except (TypeError, ValueError, RuntimeError) as err:
@@ -203,9 +206,14 @@ def _import_file(path: str, spec: str, what: str):
         sys.modules[name] = module
         try:
             module_spec.loader.exec_module(module)
-        except BaseException:
+        except SyntaxError as err:
             del sys.modules[name]
-            raise
+            raise LmppoError(
+                f"{what} {spec!r}: {err.filename}, line {err.lineno}: {err.msg}; fix the file"
+            ) from None
+        except Exception as err:
+            del sys.modules[name]
+            raise user_code_error(f"{what} {spec!r}, while its file was imported,", err) from None
     return sys.modules[name]
 
 
