@@ -48,13 +48,14 @@ def test_overrides_do_not_mutate_the_base():
         ("ppo.micro_batch_size=5", "must divide ppo.minibatch_size"),
         ("reward.model.path=rm_dir", "set exactly one of reward.model"),
         ("kl.estimator=k9", "kl.estimator"),
+        ("rollout.truncation=bootstrap reward.missing_eos_penalty=1.0", "gives truncated rows no score"),
         ("ppo", "not of the form section.key=value"),
         ("models.policy.path.x=1", "is a value, not a section"),
     ],
 )
 def test_validation_errors_are_helpful(override, message):
     with pytest.raises(LmppoError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_config(base=BASE, overrides=[override])
+        load_config(base=BASE, overrides=override.split())
 
 
 def test_missing_section_and_file_errors(tmp_path):

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from lmppo.config import Config, SupervisedConfig, load_config
+from lmppo.errors import UserCodeError
 from lmppo.scoring import load_function, load_reward_function
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,5 +78,5 @@ def test_reward_ranks_short_correct_above_long_or_wrong_and_refuses_unknown_prom
     long = "The opposite of hot is cold, which describes a low temperature that you can feel on a winter day outside."
     scores = reward([prompt] * 3, ["Cold.", long, "Warm."]).tolist()
     assert scores[0] > scores[1] > 0 and scores[0] > scores[2]
-    with pytest.raises(ValueError, match="unknown prompt"):
+    with pytest.raises(UserCodeError, match="raised ValueError: unknown prompt"):  # the judge refuses it
         reward(["What is love?"], ["Baby don't hurt me."])

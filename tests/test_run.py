@@ -12,7 +12,7 @@ import torch
 import yaml
 from helpers import comparable, run_cli, write_config
 
-from lmppo.checkpoint import last_good_checkpoint, latest_checkpoint, load_checkpoint
+from lmppo.checkpoint import last_good_checkpoint, latest_checkpoint, load_checkpoint, unflatten_state
 from lmppo.config import load_config
 from lmppo.errors import LmppoError
 from lmppo.metrics import read_metrics
@@ -101,6 +101,42 @@ def test_resume_refuses_a_changed_config_unless_allowed(run_files):
     manifest = json.loads((latest_checkpoint(run_dir) / "manifest.json").read_text())
     assert any("ppo.lr" in d for d in manifest["resumed_with_differences"])
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+
+
+def test_an_allowed_config_change_takes_effect_and_the_next_resume_accepts_it(run_files, capsys):
+    assert run_cli("ppo", str(run_files)) == 0
+    run_dir = run_files.parent / "run"
+    assert (
+        run_cli(
+            "ppo",
+            "--resume",
+            str(run_dir),
+            "run.steps=3",
+            "ppo.lr=0.5",
+            "kl.beta=0.2",
+            "--allow-config-change",
+        )
+        == 0
+    )
+    saved = load_checkpoint(latest_checkpoint(run_dir))
+    optimizer = unflatten_state(saved.tensors["optimizer"], saved.state["optimizer"])
+    assert [g["lr"] for g in optimizer["param_groups"]] == [0.5, 0.5]  # not the checkpoint's 1e-3
+    assert read_metrics(run_dir)[-1]["kl/beta"] == 0.2
+    assert load_config(run_dir / "config.yaml").ppo.lr == 0.5  # the run's config says what it trains with
+    assert run_cli("ppo", "--resume", str(run_dir), "run.steps=4") == 0  # a plain resume goes on
+    # A change the checkpoint's weights would undo is refused even when allowed.
+    assert (
+        run_cli(
+            "ppo",
+            "--resume",
+            str(run_dir),
+            "run.steps=5",
+            "models.policy_lora.enabled=true",
+            "--allow-config-change",
+        )
+        == 2
+    )
+    assert "cannot change the policy" in capsys.readouterr().err
 
 
 def test_nan_reward_aborts_and_keeps_the_last_good_checkpoint(run_files, capsys):

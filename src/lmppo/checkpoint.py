@@ -50,6 +50,17 @@ RESUMABLE_KEYS = (
     "logging",
     "guards",
 )
+# What a resume cannot change, even with --allow-config-change: the trained models' starting weights and
+# their adapter and critic layout. The checkpoint's weights would replace or misfit them.
+FIXED_KEYS = (
+    "config.models.policy_lora",
+    "config.models.value",
+    *(
+        f"identities.{role}.{field}"
+        for role in ("policy", "value")
+        for field in ("weights_sha256", "num_parameters", "trainable_parameters", "lora", "shared_with")
+    ),
+)
 _TMP_PREFIX = ".tmp-"  # in-progress saves and deletions: never matches a checkpoint name
 _CHECKPOINT_NAME = re.compile(r"step-(\d+)")
 _GROUP_NAME = re.compile(r"[A-Za-z0-9_-]+")
@@ -441,6 +452,14 @@ def check_compatible(
         for key in sorted(saved.keys() | now.keys())
         if not _resumable(key) and saved.get(key, _ABSENT) != now.get(key, _ABSENT)
     ]
+    fixed = [d for d in differences if d.startswith(FIXED_KEYS)]
+    if fixed:
+        lines = "\n".join(f"  - {d}" for d in fixed)
+        raise LmppoError(
+            f"cannot resume: the checkpoint's trained weights belong to other models than this run's:\n{lines}\n"
+            "A resume cannot change the policy, reference or critic (or their LoRA layout); start a new run "
+            "(another run.output_dir) to train these models."
+        )
     if differences and not allow_mismatch:
         lines = "\n".join(f"  - {d}" for d in differences)
         raise LmppoError(

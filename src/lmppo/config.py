@@ -224,6 +224,15 @@ class Config(Section):
     logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")
+    def _missing_eos_penalty_needs_scored_truncations(self) -> Config:
+        if self.reward.missing_eos_penalty is not None and self.rollout.truncation == "bootstrap":
+            raise ValueError(
+                "reward.missing_eos_penalty penalises truncated rows' scores, but rollout.truncation=bootstrap "
+                "gives truncated rows no score: set rollout.truncation=terminal or remove the penalty"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _batches_fit(self) -> Config:
         if self.ppo.minibatch_size > self.rollout.batch_size:
             raise ValueError(

@@ -147,11 +147,13 @@ def _train(
         )
         manifest["resumed_with_differences"] = differences
         trainer.load_state_payload(checkpoint.tensors, checkpoint.state)
+        trainer.apply_changed_settings({d.split(":", 1)[0].removeprefix("config.") for d in differences})
         guards.load_state_dict(checkpoint.state["guards"])
-    else:
-        if dist_info.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    elif dist_info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    if dist_info.is_main:  # the settings the run goes on with, for the next plain --resume
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    if checkpoint is None:
         save("ok")  # step 0: the pre-PPO bundle is the first last-known-good checkpoint
 
     with (

@@ -129,11 +129,7 @@ class PPOTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.ppo.lr_schedule, cfg.ppo.warmup_steps, cfg.run.steps)
         )
-        self.kl_controller = (
-            core.AdaptiveKLController(cfg.kl.beta, cfg.kl.target, cfg.kl.horizon)
-            if cfg.kl.adaptive
-            else core.FixedKLController(cfg.kl.beta)
-        )
+        self.kl_controller = self._build_kl_controller()
         self.score_transform = ScoreTransform(
             missing_eos_penalty=cfg.reward.missing_eos_penalty,
             clip=cfg.reward.clip,
@@ -153,6 +149,14 @@ class PPOTrainer:
         """Critic parameters not already owned by the policy (with a shared trunk: the head only)."""
         policy_ids = {id(p) for p in self.policy.parameters()}
         return [p for p in trainable_parameters(self.value_model) if id(p) not in policy_ids]
+
+    def _build_kl_controller(self) -> core.FixedKLController:
+        kl = self.cfg.kl
+        return (
+            core.AdaptiveKLController(kl.beta, kl.target, kl.horizon)
+            if kl.adaptive
+            else core.FixedKLController(kl.beta)
+        )
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         ppo = self.cfg.ppo
@@ -478,6 +482,22 @@ class PPOTrainer:
     # ----------------------------------------------------------------------------------------------
     # checkpoint state: everything a resumed run needs to continue exactly
     # ----------------------------------------------------------------------------------------------
+
+    def apply_changed_settings(self, changed: set[str]) -> None:
+        """After a resume with ``--allow-config-change``: the changed settings the checkpoint's state would
+        otherwise override (``changed``: dotted config keys) take effect from the next step."""
+        ppo = self.cfg.ppo
+        if changed & {"ppo.lr", "ppo.value_lr"}:  # the schedule's base rates; its position is kept
+            self.scheduler.base_lrs = [ppo.lr, ppo.value_lr or ppo.lr]
+            for group, base, multiplier in zip(
+                self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas
+            ):
+                group["initial_lr"], group["lr"] = base, base * multiplier(self.scheduler.last_epoch)
+        if changed & {"ppo.weight_decay", "ppo.adam_eps"}:
+            for group in self.optimizer.param_groups:
+                group["weight_decay"], group["eps"] = ppo.weight_decay, ppo.adam_eps
+        if any(key.startswith("kl.") for key in changed):  # a new coefficient or controller starts afresh
+            self.kl_controller = self._build_kl_controller()
 
     def _trained_modules(self) -> dict[str, tuple[nn.Module, set[int]]]:
         """name -> (module, ids of parameters saved under another name: the shared trunk)."""
