@@ -419,7 +419,7 @@ def test_select_minibatches_and_to(policy_tokenizer, policy_model):
 
 def test_prompt_longer_than_the_context_window(policy_tokenizer, policy_model):
     long_prompt = " ".join(["cat"] * 200)  # context window 128
-    with pytest.raises(LmppoError, match=r"prompt 1 is \d+ tokens .* limit of 120"):
+    with pytest.raises(LmppoError, match=r"prompt 1 of the batch is \d+ tokens .* limit of 120"):
         generate(policy_model, policy_tokenizer, prompts=["good", long_prompt], max_new_tokens=8)
     rollout = generate(
         policy_model, policy_tokenizer, prompts=["good", long_prompt], max_new_tokens=8, truncate_prompts=True

@@ -255,3 +255,13 @@ def test_a_reward_file_with_a_syntax_error_names_the_line(run_files, capsys):
     assert run_cli("ppo", str(config)) == 2
     err = capsys.readouterr().err
     assert "broken.py, line 2" in err and "Traceback" not in err
+
+
+def test_an_over_long_prompt_is_named_by_file_and_line_before_any_step(run_files, capsys):
+    prompts = run_files.parent / "prompts.jsonl"
+    prompts.write_text(prompts.read_text() + json.dumps({"prompt": "the cat " * 100}) + "\n")
+    lines = len(prompts.read_text().splitlines())
+    assert run_cli("ppo", str(run_files)) == 2
+    err = capsys.readouterr().err
+    assert f"prompts.jsonl, line {lines} is" in err and "data.truncate_prompts" in err
+    assert not (run_files.parent / "run" / "metrics.jsonl").exists()  # refused before the first step

@@ -408,25 +408,26 @@ class HFGenerator:
             return self.tokenizer(prompt).input_ids
         return render_query_ids(self.tokenizer, prompt, self.chat_template)
 
+    def query_ids(self, prompt: Prompt, where: str) -> list[int]:
+        """The ids generation starts from: rendered, checked, cut to ``max_prompt_length`` if allowed.
+        ``where`` names the prompt in errors (a file and line, when the caller knows them)."""
+        ids = self.render(prompt)
+        if not ids:
+            raise LmppoError(f"{where} renders to no tokens; the model needs at least one to condition on.")
+        if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
+            if not self.truncate_prompts:
+                raise LmppoError(
+                    f"{where} is {len(ids)} tokens after rendering, over the limit of {self.max_prompt_length} "
+                    f"(context window minus max_new_tokens={self.max_new_tokens}). Shorten it, or set "
+                    "`data.truncate_prompts: true` to keep its last tokens."
+                )
+            ids = ids[-self.max_prompt_length :]  # keep the end: it holds the generation prompt
+        return ids
+
     def _query_batch(self, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
         if not prompts:
             raise LmppoError("no prompts to generate from.")
-        rows = []
-        for i, prompt in enumerate(prompts):
-            ids = self.render(prompt)
-            if not ids:
-                raise LmppoError(
-                    f"prompt {i} renders to no tokens; the model needs at least one to condition on."
-                )
-            if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
-                if not self.truncate_prompts:
-                    raise LmppoError(
-                        f"prompt {i} is {len(ids)} tokens after rendering, over the limit of "
-                        f"{self.max_prompt_length} (context window minus max_new_tokens={self.max_new_tokens}). "
-                        "Shorten it, or set `data.truncate_prompts: true` to keep its last tokens."
-                    )
-                ids = ids[-self.max_prompt_length :]  # keep the end: it holds the generation prompt
-            rows.append(ids)
+        rows = [self.query_ids(prompt, where=f"prompt {i} of the batch") for i, prompt in enumerate(prompts)]
         width = max(len(ids) for ids in rows)
         query_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         query_mask = torch.zeros((len(rows), width), dtype=torch.long)

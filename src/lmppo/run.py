@@ -27,7 +27,7 @@ from lmppo.checkpoint import (
     save_checkpoint,
 )
 from lmppo.config import Config
-from lmppo.data import load_demonstrations, load_prompts
+from lmppo.data import load_demonstrations, load_located_prompts
 from lmppo.distributed import DistInfo, any_rank, barrier, distributed_session, rank_seed, seed_everything
 from lmppo.errors import Interrupted, LmppoError, UserCodeError
 from lmppo.guards import Guards
@@ -102,15 +102,18 @@ def _train(
     seed_everything(cfg.run.seed)  # every rank builds the same models (fresh heads, LoRA adapters)
 
     models = load_models(cfg, device)
+    located_prompts = load_located_prompts(cfg.data.prompts, cfg.data.split)
     trainer = PPOTrainer(
         cfg,
         models,
-        load_prompts(cfg.data.prompts, cfg.data.split),
+        [prompt for _, prompt in located_prompts],
         ptx_batches=ptx_batches(cfg, models.tokenizer, device, dist_info.rank),
         group=dist_info.group,
         rank=dist_info.rank,
         world_size=dist_info.world_size,
     )
+    for where, prompt in located_prompts:  # a bad prompt is named by its file and line now, not at some step
+        trainer.generator.query_ids(prompt, where)
     evaluator = evaluator_factory(models) if evaluator_factory else None
     if dist_info.world_size > 1:
         seed_everything(rank_seed(cfg.run.seed, dist_info.rank))  # then each rank samples its own responses
