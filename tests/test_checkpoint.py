@@ -20,6 +20,7 @@ from lmppo.checkpoint import (
     last_good_checkpoint,
     latest_checkpoint,
     load_checkpoint,
+    load_intact_checkpoint,
     restore_rng_state,
     save_checkpoint,
     unflatten_state,
@@ -211,7 +212,7 @@ def test_a_corrupted_byte_is_refused_naming_the_file_and_another_checkpoint(tmp_
     _save(tmp_path, 1)
     path = _save(tmp_path, 2)
     _flip_middle_byte(path / file)
-    with pytest.raises(LmppoError, match=rf"step-000002 is damaged: {file}.*sha256.*step-000001"):
+    with pytest.raises(LmppoError, match=rf"step-000002 is damaged: {file}.*sha256.*lmppo ppo --resume"):
         load_checkpoint(path)
 
 
@@ -220,7 +221,9 @@ def test_a_truncated_file_is_refused(tmp_path):
     path = _save(tmp_path, 2)
     with open(path / "policy.safetensors", "r+b") as f:
         f.truncate(10)
-    with pytest.raises(LmppoError, match=r"policy.safetensors has 10 bytes.*truncated.*step-000001"):
+    with pytest.raises(
+        LmppoError, match=r"policy.safetensors has 10 bytes.*truncated.*newest intact checkpoint"
+    ):
         load_checkpoint(path)
     assert latest_checkpoint(tmp_path).name == "step-000001"  # the pointer's target is incomplete
 
@@ -228,13 +231,40 @@ def test_a_truncated_file_is_refused(tmp_path):
 def test_a_missing_file_or_manifest_is_refused(tmp_path):
     path = _save(tmp_path, 1)
     (path / "state.json").unlink()
-    with pytest.raises(LmppoError, match="state.json is missing.*no other intact checkpoint"):
+    with pytest.raises(LmppoError, match="state.json is missing.*--resume"):
         load_checkpoint(path)
     (path / "manifest.json").unlink()
     with pytest.raises(LmppoError, match="manifest.json is missing"):
         load_checkpoint(path)
     with pytest.raises(LmppoError, match="no checkpoint at"):
         load_checkpoint(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no_manifest", "delete_weights"])
+def test_a_resume_sets_a_damaged_newest_checkpoint_aside_and_says_so(tmp_path, damage):
+    _save(tmp_path, 1)
+    newest = _save(tmp_path, 2)
+    if damage == "truncate":
+        (newest / "policy.safetensors").write_bytes((newest / "policy.safetensors").read_bytes()[:10])
+    elif damage == "flip":
+        _flip_middle_byte(newest / "policy.safetensors")
+    elif damage == "no_manifest":
+        (newest / "manifest.json").unlink()
+    else:
+        (newest / "policy.safetensors").unlink()
+    checkpoint, damaged = load_intact_checkpoint(tmp_path)
+    assert (
+        checkpoint.path.name == "step-000001" and len(damaged) == 1 and damaged[0].startswith("step-000002")
+    )
+    assert not newest.exists() and (newest.parent / "damaged-step-000002").is_dir()  # kept for inspection
+    assert latest_checkpoint(tmp_path).name == "step-000001"
+
+
+def test_a_resume_with_no_intact_checkpoint_finds_none_and_keeps_them_all(tmp_path):
+    path = _save(tmp_path, 1)
+    _flip_middle_byte(path / "policy.safetensors")
+    checkpoint, damaged = load_intact_checkpoint(tmp_path)
+    assert checkpoint is None and damaged and (path.parent / "damaged-step-000001").is_dir()
 
 
 def test_pruning_keeps_the_last_k_plus_the_last_good_one(tmp_path):

@@ -265,3 +265,17 @@ def test_an_over_long_prompt_is_named_by_file_and_line_before_any_step(run_files
     err = capsys.readouterr().err
     assert f"prompts.jsonl, line {lines} is" in err and "data.truncate_prompts" in err
     assert not (run_files.parent / "run" / "metrics.jsonl").exists()  # refused before the first step
+
+
+def test_resume_past_a_damaged_newest_checkpoint_warns_and_redoes_its_steps(run_files):
+    config = write_config(run_files, run={"steps": 2, "checkpoint_every": 1, "keep_last": 3})
+    assert run_cli("ppo", str(config)) == 0
+    run_dir = run_files.parent / "run"
+    newest = latest_checkpoint(run_dir)
+    (newest / "policy.safetensors").write_bytes(b"torn")
+    with pytest.warns(
+        UserWarning, match=r"set aside damaged checkpoint.*step-000002.*resuming from step-000001"
+    ):
+        assert run_cli("ppo", "--resume", str(run_dir), "run.steps=3") == 0
+    assert (run_dir / "checkpoints" / "damaged-step-000002").is_dir()
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]  # step 2 trained again, once in the log

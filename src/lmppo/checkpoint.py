@@ -381,16 +381,16 @@ def last_good_checkpoint(run_dir: str | Path) -> Path | None:
     return _newest_complete(Path(run_dir) / CHECKPOINTS_DIR, tag="ok")
 
 
-def _damaged(path: Path, problem: str) -> LmppoError:
-    alternative = _newest_complete(path.parent, tag="ok", exclude=path) or _newest_complete(
-        path.parent, exclude=path
-    )
-    advice = (
-        f"resume from {alternative} instead"
-        if alternative
-        else f"no other intact checkpoint is in {path.parent}; start the run again"
-    )
-    return LmppoError(f"checkpoint {path} is damaged: {problem}; {advice}")
+class DamagedCheckpoint(LmppoError):
+    """A checkpoint whose files do not match its manifest (or that has no readable manifest)."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        run_dir = path.parent.parent
+        super().__init__(
+            f"checkpoint {path} is damaged: {problem}. `lmppo ppo --resume {run_dir}` continues from the newest "
+            "intact checkpoint and sets damaged ones aside (as damaged-step-*) for inspection."
+        )
+        self.path, self.problem = path, problem
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
@@ -400,11 +400,11 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise LmppoError(f"no checkpoint at {path}: expected a directory like {CHECKPOINTS_DIR}/step-000010")
     manifest = _read_manifest(path)
     if manifest is None:
-        raise _damaged(path, f"{MANIFEST_FILE} is missing or unreadable")
+        raise DamagedCheckpoint(path, f"{MANIFEST_FILE} is missing or unreadable")
     for name, record in manifest["files"].items():
         problem = _file_problem(path / name, record)
         if problem:
-            raise _damaged(path, f"{name} {problem}")
+            raise DamagedCheckpoint(path, f"{name} {problem}")
     tensors = {
         name.removesuffix(TENSOR_SUFFIX): load_file(path / name)
         for name in manifest["files"]
@@ -412,6 +412,48 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     }
     state = json.loads((path / STATE_FILE).read_text())
     return Checkpoint(tensors=tensors, state=state, manifest=manifest, path=path)
+
+
+def load_intact_checkpoint(
+    run_dir: str | Path, set_aside: bool = True
+) -> tuple[Checkpoint | None, list[str]]:
+    """The checkpoint a resume continues from: the one ``latest`` names, else the newest by step, each
+    verified in full; a damaged one is skipped (renamed ``damaged-step-*`` when ``set_aside``, so neither
+    pruning nor a re-saved step removes it). Returns the checkpoint (None when no intact one is left)
+    and one line per damaged checkpoint skipped."""
+    checkpoints_dir = Path(run_dir) / CHECKPOINTS_DIR
+    try:
+        pointed = checkpoints_dir / (checkpoints_dir / LATEST_FILE).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        pointed = None
+    candidates = list(reversed(_checkpoint_dirs(checkpoints_dir)))
+    if pointed is not None and pointed in candidates:  # a resumed attempt's higher steps were abandoned
+        candidates = [pointed, *(p for p in candidates if _step_of(p) < _step_of(pointed))]
+    skipped = []
+    for path in candidates:
+        try:
+            return load_checkpoint(path), skipped
+        except DamagedCheckpoint as damage:
+            skipped.append(f"{path.name}: {damage.problem}")
+            if set_aside:
+                _set_aside(path)
+    return None, skipped
+
+
+def _step_of(path: Path) -> int:
+    return int(_CHECKPOINT_NAME.fullmatch(path.name)[1])
+
+
+def _set_aside(path: Path) -> None:
+    target = path.with_name(f"damaged-{path.name}")
+    for n in range(1, 1000):
+        if not target.exists():
+            break
+        target = path.with_name(f"damaged-{path.name}-{n}")
+    try:
+        os.replace(path, target)
+    except OSError:  # another rank set it aside first
+        pass
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import signal
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from lmppo.checkpoint import (
     check_compatible,
     last_good_checkpoint,
     latest_checkpoint,
-    load_checkpoint,
+    load_intact_checkpoint,
     save_checkpoint,
 )
 from lmppo.config import Config
@@ -97,7 +98,7 @@ def _train(
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     run_dir = Path(cfg.run.output_dir)
-    checkpoint = _checkpoint_to_resume(run_dir, resume)
+    checkpoint = _checkpoint_to_resume(run_dir, resume, dist_info.is_main)
     barrier(dist_info.group)  # every rank has looked for a checkpoint before rank 0 writes the first one
     seed_everything(cfg.run.seed)  # every rank builds the same models (fresh heads, LoRA adapters)
 
@@ -224,16 +225,28 @@ def resumed_config(run_dir: Path) -> Path:
     return config
 
 
-def _checkpoint_to_resume(run_dir: Path, resume: bool) -> Checkpoint | None:
+def _checkpoint_to_resume(run_dir: Path, resume: bool, is_main: bool) -> Checkpoint | None:
     if run_dir.exists() and not run_dir.is_dir():
         raise LmppoError(f"run.output_dir={run_dir} is an existing file; set run.output_dir to a directory")
-    latest = latest_checkpoint(run_dir)
     if resume:
-        if latest is None:
-            raise LmppoError(
-                f"--resume: {run_dir} holds no checkpoint to resume; start the run without --resume"
+        checkpoint, damaged = load_intact_checkpoint(run_dir, set_aside=is_main)
+        if damaged and is_main:
+            resumed = (
+                f"resuming from {checkpoint.path.name}" if checkpoint else "no intact checkpoint is left"
             )
-        return load_checkpoint(latest)
+            warnings.warn(
+                f"--resume: set aside damaged checkpoint(s) in {run_dir / CHECKPOINTS_DIR} (renamed damaged-*, "
+                f"kept for inspection): {'; '.join(damaged)}. The steps after the one resumed from are lost and "
+                f"are trained again; {resumed}.",
+                stacklevel=2,
+            )
+        if checkpoint is None:
+            raise LmppoError(
+                f"--resume: {run_dir} holds no intact checkpoint to resume; start the run again without --resume "
+                "(in another run.output_dir, or after moving this one away)"
+            )
+        return checkpoint
+    latest = latest_checkpoint(run_dir)
     if latest is not None:
         raise LmppoError(
             f"{run_dir} already holds a run (checkpoint {latest.name}); continue it with --resume, or set "
