@@ -384,3 +384,22 @@ def test_the_override_returns_the_differences():
         "config.kl.beta: checkpoint (absent), now 0.1",
         "config.ppo.clip_eps: checkpoint 0.2, now (absent)",
     ]
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_latest_and_says_so(tmp_path, monkeypatch):
+    import errno
+
+    import lmppo.checkpoint
+
+    previous = _save(tmp_path, 1)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(lmppo.checkpoint, "save_file", full_disk)
+    with pytest.raises(
+        LmppoError, match=r"No space left on device.*latest checkpoint is still .*step-000001"
+    ):
+        _save(tmp_path, 2)
+    assert latest_checkpoint(tmp_path) == previous and load_checkpoint(previous).step == 1
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # the partial save is gone

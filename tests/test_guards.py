@@ -137,3 +137,13 @@ def test_disabled_guards_never_fire():
 def test_the_default_config_accepts_a_healthy_run():
     guards = Guards(GuardsConfig())
     assert all(guards.check(step, HEALTHY) is None for step in range(1, 20))
+
+
+def test_a_step_breaking_a_rule_in_warm_up_is_not_healthy():
+    guards = Guards(_cfg(value_loss_max=10.0, warmup_steps=5))
+    assert guards.check(1, {"value/loss": 3.6e9}) is None  # warm-up: no abort
+    assert not guards.healthy  # but its checkpoint is not a "last known good" one
+    guards.check(2, {"value/loss": 1.0})
+    assert guards.healthy
+    guards.check(3, {"value/loss": math.nan})
+    assert not guards.healthy

@@ -279,3 +279,16 @@ def test_resume_past_a_damaged_newest_checkpoint_warns_and_redoes_its_steps(run_
         assert run_cli("ppo", "--resume", str(run_dir), "run.steps=3") == 0
     assert (run_dir / "checkpoints" / "damaged-step-000002").is_dir()
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]  # step 2 trained again, once in the log
+
+
+def test_checkpoints_of_steps_that_break_a_rule_in_warm_up_are_not_last_good(run_files):
+    config = write_config(
+        run_files, run={"checkpoint_every": 1}, guards={"warmup_steps": 10, "value_loss_max": 1e-30}
+    )
+    assert run_cli("ppo", str(config)) == 0  # every step breaks the value rule, inside its warm-up
+    tags = {
+        p.name: json.loads((p / "manifest.json").read_text())["tag"]
+        for p in (run_files.parent / "run" / "checkpoints").glob("step-*")
+    }
+    assert tags == {"step-000000": "ok", "step-000001": "unhealthy", "step-000002": "unhealthy"}
+    assert last_good_checkpoint(run_files.parent / "run").name == "step-000000"

@@ -35,7 +35,7 @@ LATEST_FILE = "latest"
 STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
 TENSOR_SUFFIX = ".safetensors"
-TAGS = ("ok", "aborted", "interrupted")
+TAGS = ("ok", "unhealthy", "aborted", "interrupted")  # "unhealthy": a guard rule broken (in warm-up)
 FORMAT_VERSION = 1
 REQUIRED_MANIFEST_KEYS = ("config", "identities", "world_size")
 # Config keys a resumed run may change without --allow-config-change (dotted prefixes).
@@ -277,6 +277,14 @@ def save_checkpoint(
     staging.mkdir()
     try:
         _write_checkpoint_files(staging, step, tensors, state, manifest, tag)
+    except OSError as err:  # a full disk, a quota, a vanished mount: the previous checkpoints are untouched
+        shutil.rmtree(staging, ignore_errors=True)
+        kept = latest_checkpoint(checkpoints_dir.parent)
+        raise LmppoError(
+            f"could not write checkpoint {final} ({err.strerror or err}); nothing was replaced: the latest "
+            f"checkpoint is still {kept or 'none'}. Free space (or fix the directory) and continue with "
+            f"`lmppo ppo --resume {checkpoints_dir.parent}`."
+        ) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

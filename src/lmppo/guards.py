@@ -90,6 +90,9 @@ class Guards:
     Steps are numbered from 1 as in metrics.jsonl; rules marked warm-up apply from step
     ``warmup_steps + 1``. A step with ``health/nonfinite > 0`` or any non-finite metric counts
     towards ``nonfinite_patience``; threshold rules ignore non-finite values (that rule's business).
+
+    ``healthy`` says whether the last checked step broke no rule, warm-up aside and with no non-finite
+    value: only such a step's checkpoint is a "last known good" one (tag ``ok``).
     """
 
     def __init__(self, cfg: Any) -> None:
@@ -97,12 +100,14 @@ class Guards:
         self.nonfinite_streak = 0
         self.evals: list[tuple[float, float]] = []  # (mean train RM score since previous eval, held-out)
         self._rm_sum, self._rm_count = 0.0, 0
+        self.healthy = True
 
     def check(self, step: int, metrics: Mapping[str, float]) -> GuardViolation | None:
         if not self.cfg.enabled:
             return None
         nonfinite = sorted(name for name, value in metrics.items() if not math.isfinite(value))
         self._record(metrics, bool(nonfinite))
+        self.healthy = self.nonfinite_streak == 0 and self._check_bounds(step, metrics, warmup=False) is None
         return (
             self._check_nonfinite(step, metrics, nonfinite)
             or self._check_bounds(step, metrics)
@@ -139,12 +144,14 @@ class Guards:
             "keep ppo.max_grad_norm set.",
         )
 
-    def _check_bounds(self, step: int, metrics: Mapping[str, float]) -> GuardViolation | None:
+    def _check_bounds(
+        self, step: int, metrics: Mapping[str, float], warmup: bool = True
+    ) -> GuardViolation | None:
         for bound in BOUNDS:
             threshold, value = getattr(self.cfg, bound.field), metrics.get(bound.metric)
             if threshold is None or value is None or not math.isfinite(value):
                 continue
-            if bound.after_warmup and step <= self.cfg.warmup_steps:
+            if warmup and bound.after_warmup and step <= self.cfg.warmup_steps:
                 continue
             if value > threshold if bound.upper else value < threshold:
                 side = ">" if bound.upper else "<"

@@ -206,8 +206,8 @@ def _train(
                 )
             every = cfg.run.checkpoint_every
             if every and trainer.step_count % every == 0 and trainer.step_count < cfg.run.steps:
-                save("ok")
-    save("ok")
+                save("ok" if guards.healthy else "unhealthy")  # only a healthy step is a last good one
+    save("ok" if guards.healthy else "unhealthy")
     if dist_info.is_main:
         export_final(run_dir / "final", models, cfg)
     barrier(dist_info.group)  # no rank leaves (and tears the group down) before the final model is written
