@@ -164,8 +164,13 @@ def test_nan_reward_aborts_and_keeps_the_last_good_checkpoint(run_files, capsys)
     aborted = latest_checkpoint(run_dir)
     assert json.loads((aborted / "manifest.json").read_text())["tag"] == "aborted"
     good = last_good_checkpoint(run_dir)
-    # Step 3 (first NaN) passed the guard within its patience of 2; step 4 (second NaN in a row) fired.
-    assert good.name == "step-000003" and aborted.name == "step-000004"
+    # Step 3 (first NaN) passed the guard within its patience of 2 but is not healthy: its checkpoint is
+    # tagged unhealthy, so the last good one is step 2; step 4 (second NaN in a row) fired.
+    assert good.name == "step-000002" and aborted.name == "step-000004"
+    assert (
+        json.loads((run_dir / "checkpoints" / "step-000003" / "manifest.json").read_text())["tag"]
+        == "unhealthy"
+    )
     weights = load_checkpoint(good).tensors["policy"]  # NaN updates were skipped, never applied
     assert all(torch.isfinite(t).all() for t in weights.values())
 
