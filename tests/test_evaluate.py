@@ -175,3 +175,12 @@ def test_lmppo_eval_judges_start_and_final_policy_with_the_configured_judge(run_
         expected = sum(float(len(row["response"].split()) <= 3) for row in rows) / len(rows)
         assert record["policies"][name]["metrics"]["eval/gold_score"] == pytest.approx(expected)
     assert record["summary"]["judge"] == "gold"  # the win rate is decided by the configured judge
+
+
+def test_a_judge_that_raises_is_shown_as_the_users_code(policy_model, policy_tokenizer):
+    def judge(prompt, response):
+        raise KeyError(prompt)
+
+    with pytest.raises(LmppoError, match=r"the held-out judge judge raised KeyError") as err:
+        evaluate(policy_model, policy_tokenizer, gold_fn=judge)
+    assert "test_evaluate.py" in str(err.value)  # the judge's own frame

@@ -32,7 +32,7 @@ from lmppo.build import generator_options, load_reward
 from lmppo.config import load_config
 from lmppo.core import kl_estimate
 from lmppo.data import Prompt, load_prompts
-from lmppo.errors import LmppoError
+from lmppo.errors import LmppoError, user_code_error
 from lmppo.models import eval_mode, load_causal_lm, load_tokenizer
 from lmppo.rollout import HFGenerator, Rollout, sequence_logprobs
 from lmppo.scoring import RewardFunction, load_function
@@ -136,7 +136,12 @@ def _measure(rollout: Rollout, reward_fn, policy, reference, gold_fn, slice_fn) 
             row["kl_ref"] = kl
     for row in rows:
         if gold_fn is not None:
-            row["gold_score"] = float(gold_fn(row["prompt"], row["response"]))
+            try:
+                row["gold_score"] = float(gold_fn(row["prompt"], row["response"]))
+            except Exception as err:  # the user's judge: shown as theirs, with their frames
+                raise user_code_error(
+                    f"the held-out judge {getattr(gold_fn, '__name__', gold_fn)}", err
+                ) from None
         if slice_fn is not None:
             row["slice"] = str(slice_fn(row["prompt"]))
     return rows
