@@ -68,14 +68,19 @@ def policy_tensors(run_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_resume_is_exact(run_files, lora):
+@pytest.mark.parametrize(
+    "lora, checkpointed",
+    [(False, False), (True, False), (True, True)],
+    ids=["full", "lora", "lora-checkpointed"],
+)
+def test_resume_is_exact(run_files, lora, checkpointed):
     """N steps in one go == k steps, stop, resume for N-k: same metrics, bit-identical weights."""
     models = {"policy_lora": {"enabled": True, "r": 4, "alpha": 8}} if lora else {}
     straight = write_config(
         run_files,
         run={"steps": 4, "output_dir": str(run_files.parent / "straight")},
         models={**yaml.safe_load(run_files.read_text())["models"], **models},
+        ppo={"gradient_checkpointing": checkpointed},
     )
     assert run_cli("ppo", str(straight)) == 0
     split = write_config(straight, run={"steps": 2, "output_dir": str(run_files.parent / "split")})

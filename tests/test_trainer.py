@@ -9,6 +9,7 @@ from helpers import toy_models, toy_trainer
 
 from lmppo.errors import LmppoError
 from lmppo.metrics import METRIC_NAMES
+from lmppo.models import make_reference
 from lmppo.sft import sft_batch
 
 
@@ -134,7 +135,9 @@ def first_update_gradients(trainer) -> torch.Tensor:
     """The policy's accumulated gradients at the first optimiser step of ``trainer.step()``."""
     seen = []
     hook = trainer.optimizer.register_step_pre_hook(
-        lambda *_: seen.append(torch.cat([p.grad.flatten() for p in trainer.policy.parameters()]))
+        lambda *_: seen.append(
+            torch.cat([p.grad.flatten() for p in trainer.policy.parameters() if p.grad is not None])
+        )
     )
     trainer.step()
     hook.remove()
@@ -159,3 +162,36 @@ def test_micro_batch_accumulation_equals_the_full_minibatch():
     assert torch.allclose(weights[0], weights[1], atol=1e-5) and torch.allclose(
         weights[0], weights[2], atol=1e-5
     )
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_gradient_checkpointing_recomputes_each_layer_and_gives_the_same_gradients(lora, monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    from lmppo.config import LoraConfig
+    from lmppo.models import enable_gradient_checkpointing, with_lora
+
+    def models(checkpointed: bool):
+        built = toy_models()
+        if lora:
+            built.policy = with_lora(built.policy, LoraConfig(enabled=True, r=4, alpha=8))
+            built.reference = make_reference(built.policy)
+        if checkpointed:
+            enable_gradient_checkpointing(built.policy)
+            enable_gradient_checkpointing(built.value)
+        return built
+
+    mlp_forward, calls = modeling_llama.LlamaMLP.forward, []
+    monkeypatch.setattr(
+        modeling_llama.LlamaMLP, "forward", lambda self, x: calls.append(1) or mlp_forward(self, x)
+    )
+    gradients, mlp_calls = [], []
+    for checkpointed in (False, True):
+        trainer = toy_trainer("ppo.ppo_epochs=1", "ppo.minibatch_size=8", models=models(checkpointed))
+        assert bool(trainer.train_module.checkpointed) == checkpointed
+        calls.clear()
+        gradients.append(first_update_gradients(trainer))
+        mlp_calls.append(len(calls))
+    torch.testing.assert_close(gradients[1], gradients[0], atol=1e-7, rtol=1e-5)
+    # one update on one micro-batch: the backward recomputes each of the 4 layers (2 policy, 2 critic) once
+    assert mlp_calls[1] == mlp_calls[0] + 4

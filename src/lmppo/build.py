@@ -15,6 +15,7 @@ from lmppo.config import Config, RewardConfig
 from lmppo.errors import LmppoError
 from lmppo.models import (
     ValueModel,
+    enable_gradient_checkpointing,
     freeze,
     load_causal_lm,
     load_reward_model,
@@ -111,6 +112,10 @@ def load_models(cfg: Config, device: torch.device) -> PPOModels:
         reference_source, reference = policy_source, make_reference(policy)
     reward = load_reward(cfg.reward, device)
     value = load_value_model(cfg, policy, reward.model, device)
+    if cfg.ppo.gradient_checkpointing:
+        enable_gradient_checkpointing(policy)
+        if not value.shared_trunk:
+            enable_gradient_checkpointing(value)
 
     template = m.policy.chat_template
     identities = {

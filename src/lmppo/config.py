@@ -158,6 +158,11 @@ class PPOConfig(Section):
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     ptx_coef: float = Field(0.0, ge=0, description="weight of the SFT loss on data.ptx_demonstrations")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder layer's activations in the update's backward (policy and a "
+        "separate critic): far less activation memory for about one more forward pass",
+    )
     ptx_batch_size: int = Field(8, gt=0)
 
     @model_validator(mode="after")

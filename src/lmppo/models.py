@@ -35,6 +35,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lmppo.config import ModelSource
 from lmppo.errors import LmppoError
@@ -272,6 +273,34 @@ def eval_mode(*models) -> Iterator[None]:
 def unwrap_model(model):
     """The underlying transformers model of a peft model or :class:`LoraReference`; else ``model``."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """transformers' per-layer activation checkpointing on ``model`` (a causal LM, a peft model or a
+    :class:`ValueModel`'s backbone). Non-reentrant, so LoRA needs no input gradients."""
+    base = unwrap_model(model.backbone if isinstance(model, ValueModel) else model)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def checkpointed_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers of ``module`` set up for activation checkpointing."""
+    return [
+        m for m in module.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
+    ]
+
+
+@contextlib.contextmanager
+def checkpointing(layers: list[nn.Module]) -> Iterator[None]:
+    """Let ``layers`` checkpoint during this forward. transformers checkpoints a layer only while it is in
+    training mode, and lmppo keeps every model in eval (no dropout, so the first PPO ratio is exactly 1):
+    only the layers' own flags are set, their attention, MLP and dropout submodules stay in eval."""
+    for layer in layers:
+        layer.training = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.training = False
 
 
 def trainable_parameters(*models: nn.Module) -> list[nn.Parameter]:

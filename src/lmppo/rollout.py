@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase, StaticCache, TopKLogitsWarper,
 from lmppo.core import last_response_index, token_logprobs
 from lmppo.data import Prompt, render_query_ids
 from lmppo.errors import LmppoError
-from lmppo.models import ValueModel, eval_mode, unwrap_model
+from lmppo.models import ValueModel, checkpointed_layers, checkpointing, eval_mode, unwrap_model
 
 # --------------------------------------------------------------------------------------------------
 # The rollout batch
@@ -253,11 +253,13 @@ class PolicyAndValue(nn.Module):
     def __init__(self, policy: nn.Module, value_model: ValueModel) -> None:
         super().__init__()
         self.policy, self.value_model = policy, value_model
+        self.checkpointed = checkpointed_layers(self)  # ppo.gradient_checkpointing: recomputed in backward
 
     def forward(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.value_model.shared_trunk:
-            return policy_logits_and_values(self.policy, self.value_model, batch)
-        return response_logits(self.policy, batch), state_values(self.value_model, batch)[:, :-1]
+        with checkpointing(self.checkpointed):
+            if self.value_model.shared_trunk:
+                return policy_logits_and_values(self.policy, self.value_model, batch)
+            return response_logits(self.policy, batch), state_values(self.value_model, batch)[:, :-1]
 
 
 # --------------------------------------------------------------------------------------------------
