@@ -103,3 +103,18 @@ def test_bench_distributed_runs_one_and_two_processes(run_files, tmp_path):
     assert one["allreduce_mb_per_step"] == 0 and one["seconds_per_step"] > 0
     # DDP sent every trainable parameter's gradient once per optimiser step (float32)
     assert two["allreduce_mb_per_step"] == pytest.approx(two["expected_allreduce_mb_per_step"], rel=0.01)
+
+
+@pytest.mark.slow
+def test_bench_memory_runs_both_modes(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(BENCH.parent / "bench_memory.py"), "--rows", "1", "--response", "8"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(report["results"]) == {"gradient_checkpointing=false", "gradient_checkpointing=true"}
+    assert all(r["peak_rss_mb"] > 0 and r["update_s"] > 0 for r in report["results"].values())

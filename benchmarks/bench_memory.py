@@ -1,0 +1,120 @@
+"""Peak memory of one PPO update on SmolLM2-135M-Instruct (LoRA r16, shared critic), with and without
+``ppo.gradient_checkpointing``, each in its own process (peak RSS cannot be reset inside one).
+
+The update runs on a fixed rollout of ``--rows`` rows of ``--response`` tokens that never stop early (so
+every position counts), as one micro-batch: the activations the backward keeps are what differs. Prints
+one JSON line: per mode, peak RSS of the process and the seconds of the update.
+
+    .venv/bin/python benchmarks/bench_memory.py --rows 8 --response 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker(args) -> dict:
+    import torch
+
+    from lmppo.build import load_models
+    from lmppo.config import load_config
+    from lmppo.distributed import seed_everything
+    from lmppo.models import cache_gguf_as_transformers
+    from lmppo.rollout import Rollout
+    from lmppo.trainer import PPOTrainer
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_smollm2 import CACHE_DIR, smollm2_gguf
+
+    cache_gguf_as_transformers(smollm2_gguf(), CACHE_DIR)
+    cfg = load_config(
+        ROOT / "examples/smollm2/ppo_judge.yaml",
+        [
+            f"models.policy.path={CACHE_DIR}",
+            f"rollout.batch_size={args.rows}",
+            f"ppo.minibatch_size={args.rows}",
+            f"rollout.max_new_tokens={args.response}",
+            f"ppo.gradient_checkpointing={args.checkpointing}",
+            "reward.missing_eos_penalty=null",
+        ],
+    )
+    seed_everything(0)
+    models = load_models(cfg, torch.device("cpu"))
+    trainer = PPOTrainer(cfg, models, ["What is the capital of France?"] * args.rows)
+    query = torch.tensor([trainer.generator.render("What is the capital of France?")] * args.rows)
+    response = torch.randint(100, 1000, (args.rows, args.response))  # ordinary tokens: no stop, all counted
+    rollout = Rollout(
+        query_ids=query,
+        query_mask=torch.ones_like(query),
+        response_ids=response,
+        response_mask=torch.ones(args.rows, args.response),
+        terminated=torch.zeros(args.rows, dtype=torch.bool),
+        logp_old=torch.zeros(args.rows, args.response),
+        policy_version=0,
+        created_at=time.time(),
+        prompts=["q"] * args.rows,
+        response_texts=[""] * args.rows,
+        temperature=0.7,
+    )
+    zeros = torch.zeros(args.rows, args.response)
+    rollout.extras.update(advantages=torch.randn(args.rows, args.response), values=zeros, returns=zeros)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    started = time.perf_counter()
+    trainer.minibatch_update(rollout)
+    return {
+        "update_s": round(time.perf_counter() - started, 2),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "peak_rss_before_update_mb": round(before),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--response", type=int, default=256)
+    parser.add_argument("--checkpointing", choices=["true", "false"], help=argparse.SUPPRESS)  # worker mode
+    args = parser.parse_args()
+    if args.checkpointing:
+        print(json.dumps(worker(args)))
+        return
+    results = {}
+    for mode in ("false", "true"):
+        done = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--rows",
+                str(args.rows),
+                "--response",
+                str(args.response),
+                "--checkpointing",
+                mode,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        results[f"gradient_checkpointing={mode}"] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(
+        json.dumps(
+            {
+                "machine": platform.processor() or platform.machine(),
+                "rows": args.rows,
+                "response_tokens": args.response,
+                "results": results,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
