@@ -1,9 +1,10 @@
-"""Peak memory of one PPO update on SmolLM2-135M-Instruct (LoRA r16, shared critic), with and without
-``ppo.gradient_checkpointing``, each in its own process (peak RSS cannot be reset inside one).
+"""Peak memory of one PPO update on SmolLM2-135M-Instruct (LoRA r16, shared critic): as one micro-batch,
+with ``ppo.gradient_checkpointing``, and with it plus ``ppo.micro_batch_tokens``; each in its own process
+(peak RSS cannot be reset inside one).
 
 The update runs on a fixed rollout of ``--rows`` rows of ``--response`` tokens that never stop early (so
-every position counts), as one micro-batch: the activations the backward keeps are what differs. Prints
-one JSON line: per mode, peak RSS of the process and the seconds of the update.
+every position counts): the activations the backward keeps are what differs. Prints one JSON line: per
+mode, peak RSS of the process and the seconds of the update.
 
     .venv/bin/python benchmarks/bench_memory.py --rows 8 --response 256
 """
@@ -44,6 +45,7 @@ def worker(args) -> dict:
             f"ppo.minibatch_size={args.rows}",
             f"rollout.max_new_tokens={args.response}",
             f"ppo.gradient_checkpointing={args.checkpointing}",
+            f"ppo.micro_batch_tokens={args.micro_batch_tokens or 'null'}",
             "reward.missing_eos_penalty=null",
         ],
     )
@@ -81,29 +83,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--response", type=int, default=256)
+    parser.add_argument("--micro-batch-tokens", type=int, default=1024, help="the budget of the third mode")
     parser.add_argument("--checkpointing", choices=["true", "false"], help=argparse.SUPPRESS)  # worker mode
     args = parser.parse_args()
     if args.checkpointing:
         print(json.dumps(worker(args)))
         return
     results = {}
-    for mode in ("false", "true"):
-        done = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--rows",
-                str(args.rows),
-                "--response",
-                str(args.response),
-                "--checkpointing",
-                mode,
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        results[f"gradient_checkpointing={mode}"] = json.loads(done.stdout.strip().splitlines()[-1])
+    modes = {
+        "one micro-batch": ("false", 0),
+        "gradient_checkpointing": ("true", 0),
+        f"gradient_checkpointing + micro_batch_tokens={args.micro_batch_tokens}": (
+            "true",
+            args.micro_batch_tokens,
+        ),
+    }
+    for name, (checkpointing, budget) in modes.items():
+        command = [sys.executable, __file__, "--rows", str(args.rows), "--response", str(args.response),
+                   "--checkpointing", checkpointing, "--micro-batch-tokens", str(budget)]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        results[name] = json.loads(done.stdout.strip().splitlines()[-1])
     print(
         json.dumps(
             {

@@ -46,6 +46,7 @@ def test_overrides_do_not_mutate_the_base():
         ("ppo.gamma=1.5", "ppo.gamma: Input should be less than or equal to 1"),
         ("ppo.minibatch_size=64", "larger than rollout.batch_size=16"),
         ("ppo.micro_batch_size=5", "must divide ppo.minibatch_size"),
+        ("ppo.micro_batch_size=4 ppo.micro_batch_tokens=100", "not both"),
         ("reward.model.path=rm_dir", "set exactly one of reward.model"),
         ("kl.estimator=k9", "kl.estimator"),
         ("rollout.truncation=bootstrap reward.missing_eos_penalty=1.0", "gives truncated rows no score"),

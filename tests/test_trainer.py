@@ -195,3 +195,27 @@ def test_gradient_checkpointing_recomputes_each_layer_and_gives_the_same_gradien
     torch.testing.assert_close(gradients[1], gradients[0], atol=1e-7, rtol=1e-5)
     # one update on one micro-batch: the backward recomputes each of the 4 layers (2 policy, 2 critic) once
     assert mlp_calls[1] == mlp_calls[0] + 4
+
+
+def test_token_budget_micro_batches_give_the_gradient_of_one_pass():
+    """ppo.micro_batch_tokens: each forward holds at most the budget (padding included), rows longest first,
+    and the token-weighted accumulation gives the same gradient as one pass over the minibatch."""
+    from lmppo.rollout import token_budget_micro_batches
+
+    whole = toy_trainer("ppo.ppo_epochs=1", "ppo.minibatch_size=8")
+    reference = first_update_gradients(whole)
+    budgeted = toy_trainer("ppo.ppo_epochs=1", "ppo.minibatch_size=8", "ppo.micro_batch_tokens=40")
+    seen = []
+    minibatch_update = budgeted.minibatch_update
+
+    def recording(minibatch):
+        seen.append(list(token_budget_micro_batches(minibatch, 40)))
+        return minibatch_update(minibatch)
+
+    budgeted.minibatch_update = recording
+    torch.testing.assert_close(first_update_gradients(budgeted), reference, atol=1e-8, rtol=1e-4)
+    micro_batches = seen[0]
+    assert len(micro_batches) > 1 and sum(len(m) for m in micro_batches) == 8
+    for micro in micro_batches:
+        positions = micro.query_ids.shape[1] + micro.response_ids.shape[1]
+        assert len(micro) * positions <= 40 or len(micro) == 1  # a row over the budget goes alone

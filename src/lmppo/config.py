@@ -133,6 +133,12 @@ class PPOConfig(Section):
     ppo_epochs: int = Field(4, gt=0)
     minibatch_size: int = Field(16, gt=0)
     micro_batch_size: int | None = Field(None, gt=0, description="gradient accumulation inside a minibatch")
+    micro_batch_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="gradient accumulation by a token budget instead: each micro-batch of a rank "
+        "holds at most this many query + response positions (padding included)",
+    )
     clip_eps: float = Field(0.2, gt=0)
     value_clip_eps: float = Field(0.2, gt=0)
     vf_coef: float = Field(0.5, ge=0)
@@ -167,6 +173,10 @@ class PPOConfig(Section):
 
     @model_validator(mode="after")
     def _micro_batches_divide(self) -> PPOConfig:
+        if self.micro_batch_size is not None and self.micro_batch_tokens is not None:
+            raise ValueError(
+                "set ppo.micro_batch_size (rows) or ppo.micro_batch_tokens (a token budget), not both"
+            )
         if self.micro_batch_size is not None and self.minibatch_size % self.micro_batch_size:
             raise ValueError(
                 f"ppo.micro_batch_size={self.micro_batch_size} must divide ppo.minibatch_size={self.minibatch_size}"

@@ -282,6 +282,24 @@ def trim_padding(rollout: Rollout) -> Rollout:
     return dataclasses.replace(rollout, **queries, **responses, extras=extras)
 
 
+def token_budget_micro_batches(minibatch: Rollout, max_tokens: int) -> Iterator[Rollout]:
+    """Trimmed micro-batches of at most ``max_tokens`` positions each, padding included (so at most that
+    many real tokens): rows longest first, a row over the budget alone, short rows together.
+
+    The update's activations grow with the positions a forward computes, not with its rows, so a token
+    budget bounds memory where a row count cannot: 4 rows of 1,000 tokens cost what 40 rows of 100 do.
+    """
+    queries, responses = minibatch.query_mask.sum(1).cpu(), minibatch.response_mask.sum(1).clamp(min=1).cpu()
+    group: list[int] = []
+    for row in torch.argsort(queries + responses, descending=True, stable=True).tolist():
+        grown = [*group, row]
+        if group and len(grown) * int(queries[grown].max() + responses[grown].max()) > max_tokens:
+            yield trim_padding(minibatch.select(torch.tensor(group)))
+            grown = [row]
+        group = grown
+    yield trim_padding(minibatch.select(torch.tensor(group)))
+
+
 def length_sorted_micro_batches(minibatch: Rollout, size: int) -> Iterator[Rollout]:
     """Micro-batches of ``size`` rows, trimmed; with several, rows of similar length go together.
 

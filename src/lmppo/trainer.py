@@ -39,6 +39,7 @@ from lmppo.rollout import (
     Rollout,
     length_sorted_micro_batches,
     sequence_logprobs,
+    token_budget_micro_batches,
     value_predictions,
 )
 from lmppo.scoring import ScoreTransform
@@ -381,8 +382,11 @@ class PPOTrainer:
         """
         ppo = self.cfg.ppo
         global_tokens = all_sum(minibatch.response_mask.sum(), self.group).clamp(min=1.0)
-        micro_size = ppo.micro_batch_size // self.world_size if ppo.micro_batch_size else len(minibatch)
-        micro_batches = list(length_sorted_micro_batches(minibatch, max(micro_size, 1)))
+        if ppo.micro_batch_tokens:  # a budget per forward on this rank
+            micro_batches = list(token_budget_micro_batches(minibatch, ppo.micro_batch_tokens))
+        else:
+            micro_size = ppo.micro_batch_size // self.world_size if ppo.micro_batch_size else len(minibatch)
+            micro_batches = list(length_sorted_micro_batches(minibatch, max(micro_size, 1)))
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         ratio_max = 0.0
