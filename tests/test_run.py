@@ -69,18 +69,18 @@ def policy_tensors(run_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "lora, checkpointed",
-    [(False, False), (True, False), (True, True)],
-    ids=["full", "lora", "lora-checkpointed"],
+    "lora, ppo",
+    [(False, {}), (True, {}), (True, {"gradient_checkpointing": True, "critic_warmup_steps": 3})],
+    ids=["full", "lora", "lora-checkpointed-critic-warmup"],  # the last one is split inside its warmup
 )
-def test_resume_is_exact(run_files, lora, checkpointed):
+def test_resume_is_exact(run_files, lora, ppo):
     """N steps in one go == k steps, stop, resume for N-k: same metrics, bit-identical weights."""
     models = {"policy_lora": {"enabled": True, "r": 4, "alpha": 8}} if lora else {}
     straight = write_config(
         run_files,
         run={"steps": 4, "output_dir": str(run_files.parent / "straight")},
         models={**yaml.safe_load(run_files.read_text())["models"], **models},
-        ppo={"gradient_checkpointing": checkpointed},
+        ppo=ppo,
     )
     assert run_cli("ppo", str(straight)) == 0
     split = write_config(straight, run={"steps": 2, "output_dir": str(run_files.parent / "split")})

@@ -219,3 +219,26 @@ def test_token_budget_micro_batches_give_the_gradient_of_one_pass():
     for micro in micro_batches:
         positions = micro.query_ids.shape[1] + micro.response_ids.shape[1]
         assert len(micro) * positions <= 40 or len(micro) == 1  # a row over the budget goes alone
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["separate", "shared-trunk"])
+def test_critic_warmup_trains_only_the_critic_then_the_policy(shared):
+    from lmppo.models import ValueModel
+
+    models = toy_models()
+    if shared:
+        models.value = ValueModel.shared_trunk(models.policy)
+    trainer = toy_trainer("ppo.critic_warmup_steps=2", "ppo.lr=1e-2", models=models)
+    start = [p.detach().clone() for p in trainer.policy.parameters()]
+    head = trainer.value_model.head.weight.detach().clone()
+    for _ in range(2):
+        metrics = trainer.step()
+        assert metrics["policy/frozen"] == 1.0
+    assert all(
+        torch.equal(a, b) for a, b in zip(start, trainer.policy.parameters())
+    )  # the policy is as it was
+    assert trainer.policy_version == 0 and not torch.equal(
+        head, trainer.value_model.head.weight
+    )  # the critic learnt
+    assert trainer.step()["policy/frozen"] == 0.0 and trainer.policy_version == 1
+    assert not all(torch.equal(a, b) for a, b in zip(start, trainer.policy.parameters()))

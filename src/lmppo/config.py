@@ -164,6 +164,12 @@ class PPOConfig(Section):
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     ptx_coef: float = Field(0.0, ge=0, description="weight of the SFT loss on data.ptx_demonstrations")
+    critic_warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="the first K steps train only the critic (the policy and its version stay as they "
+        "are; rollouts still come from it): the remedy when the value loss dominates early",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="recompute each decoder layer's activations in the update's backward (policy and a "

@@ -47,6 +47,7 @@ METRIC_NAMES: dict[str, str] = {
     "policy/ratio_max": "largest importance ratio of any response token",
     "policy/epochs": "PPO epochs run this step (fewer than ppo.ppo_epochs after an approx-KL early stop)",
     "policy/updates": "optimizer updates made this step",
+    "policy/frozen": "1 while ppo.critic_warmup_steps trains only the critic (the policy does not move), else 0",
     "policy/grad_norm": "gradient norm of the policy before clipping",
     "ptx/loss": "per-token SFT loss on data.ptx_demonstrations (PPO-ptx)",
     "value/loss": "clipped value loss, mean over response tokens and minibatches",

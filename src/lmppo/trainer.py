@@ -188,7 +188,8 @@ class PPOTrainer:
             # 4. PPO epochs over shuffled minibatches; an engine with its own weights gets the new policy.
             with timed(seconds, "perf/update_s"):
                 update_stats = self.update(rollout)
-            if update_stats["health/nonfinite_updates"] < update_stats["policy/updates"]:
+            policy_trained = not update_stats["policy/frozen"]
+            if policy_trained and update_stats["health/nonfinite_updates"] < update_stats["policy/updates"]:
                 self.policy_version += 1  # the policy changed: rollouts sampled before are one version older
                 self.sync_generator(seconds)
 
@@ -369,6 +370,7 @@ class PPOTrainer:
         metrics["policy/ratio_max"] = ratio_max
         metrics["policy/epochs"] = float(epochs_run)
         metrics["policy/updates"] = float(n_updates)
+        metrics["policy/frozen"] = float(self.step_count < self.cfg.ppo.critic_warmup_steps)  # critic warmup
         metrics["health/nonfinite_updates"] = totals["health/nonfinite_updates"]  # a count, not a mean
         return metrics
 
@@ -390,7 +392,8 @@ class PPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         ratio_max = 0.0
-        if self.ptx_batches is not None and ppo.ptx_coef > 0:
+        critic_only = self.step_count < ppo.critic_warmup_steps
+        if self.ptx_batches is not None and ppo.ptx_coef > 0 and not critic_only:
             with self._no_grad_sync():  # accumulated locally; the last micro-batch's backward syncs it
                 ptx_loss = self.ptx_loss()
                 (ppo.ptx_coef * ptx_loss).backward()
@@ -406,6 +409,9 @@ class PPOTrainer:
         names = sorted(sums)
         totals = all_sum(torch.tensor([sums[n] for n in names], dtype=torch.float64), self.group)
         sums = dict(zip(names, totals.tolist(), strict=True))
+        if critic_only:  # critic warmup: the policy's parameters (a shared trunk too) keep their values
+            for param in trainable_parameters(self.policy):
+                param.grad = None
         sums["policy/grad_norm"], sums["value/grad_norm"], finite = self._clip_gradients()
         if finite:
             self.optimizer.step()
@@ -439,6 +445,8 @@ class PPOTrainer:
             with torch.no_grad():
                 entropy = core.masked_entropy(logits, mask)
         loss = policy_loss + ppo.vf_coef * v_loss - ppo.ent_coef * entropy
+        if self.step_count < ppo.critic_warmup_steps:  # the value loss alone (x 0 keeps DDP's graph whole)
+            loss = 0.0 * policy_loss + ppo.vf_coef * v_loss
         with torch.no_grad():
             ratio = torch.exp(torch.where(mask.bool(), logp_new - micro.logp_old, 0.0))
             stats = {
