@@ -32,35 +32,35 @@ PHASES = {
 }
 
 
-@pytest.mark.slow
-def test_bench_runs_and_prints_the_json_line(tmp_path):
+def run_bench(script: Path, *args: str) -> dict:
+    """Run a benchmark script; it must exit 0 and print its report as the last line, in JSON."""
     done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH),
-            "--sizes",
-            "h128_l4",
-            "--steps",
-            "2",
-            "--warmup",
-            "0",
-            "--repeats",
-            "1",
-            "--impls",
-            "lmppo",
-            "--variants",
-            "",
-            "--no-quickstart",
-            "--work-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=600, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_bench_runs_and_prints_the_json_line(tmp_path):
+    report = run_bench(
+        BENCH,
+        "--sizes",
+        "h128_l4",
+        "--steps",
+        "2",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--impls",
+        "lmppo",
+        "--variants",
+        "",
+        "--no-quickstart",
+        "--work-dir",
+        str(tmp_path),
+    )
     assert {"date", "machine", "settings", "results"} <= set(report)
     lmppo = report["results"]["h128_l4"]["lmppo"]
     assert FIGURES <= set(lmppo)
@@ -75,30 +75,21 @@ BENCH_DISTRIBUTED = BENCH.parent / "bench_distributed.py"
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_bench_distributed_runs_one_and_two_processes(run_files, tmp_path):
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH_DISTRIBUTED),
-            "--config",
-            str(run_files),
-            "--procs",
-            "1,2",
-            "--steps",
-            "2",
-            "--warmup",
-            "0",
-            "--repeats",
-            "1",
-            "--work-dir",
-            str(tmp_path / "bench"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    report = run_bench(
+        BENCH_DISTRIBUTED,
+        "--config",
+        str(run_files),
+        "--procs",
+        "1,2",
+        "--steps",
+        "2",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--work-dir",
+        str(tmp_path / "bench"),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
     one, two = report["results"]["1"], report["results"]["2"]
     assert one["allreduce_mb_per_step"] == 0 and one["seconds_per_step"] > 0
     # DDP sent every trainable parameter's gradient once per optimiser step (float32)
@@ -107,15 +98,7 @@ def test_bench_distributed_runs_one_and_two_processes(run_files, tmp_path):
 
 @pytest.mark.slow
 def test_bench_memory_runs_both_modes(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(BENCH.parent / "bench_memory.py"), "--rows", "1", "--response", "8"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_bench(BENCH.parent / "bench_memory.py", "--rows", "1", "--response", "8")
     assert list(report["results"]) == [
         "one micro-batch",
         "gradient_checkpointing",
