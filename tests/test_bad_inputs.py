@@ -211,6 +211,12 @@ CASES = [
     Case("unknown device", "run.device", ppo(None, "run.device=tpu")),
     Case("unknown sink", "logging.sinks", ppo(None, "logging.sinks=[nope]")),
     Case("unknown dtype", "models.policy.dtype", ppo(None, "models.policy.dtype=float8")),
+    Case("fp16 precision", "run.precision=fp16 is not supported", ppo(None, "run.precision=fp16")),
+    Case(
+        "16-bit weights fully trained",
+        "models.policy.dtype=bfloat16 would train every weight in 16 bits",
+        ppo(None, "models.policy.dtype=bfloat16"),
+    ),
     Case("missing data section", "data is required", ppo(drop=[("data", None)])),
     Case("missing config file", "does not exist", lambda world, here: ["ppo", str(here / "nope.yaml")]),
     Case("config is a directory", "is a directory", lambda world, here: ["ppo", str(here)]),

@@ -76,3 +76,26 @@ def test_a_critic_from_the_reward_needs_a_reward_model(run_files):
     policy = load_models(load_config(run_files), torch.device("cpu")).policy
     with pytest.raises(LmppoError, match="init_from=policy"):
         load_value_model(cfg, policy, None, "cpu")
+
+
+def dtypes(module):
+    return {p.dtype for p in module.parameters()}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_bf16_precision_keeps_trained_weights_fp32_and_frozen_weights_bf16(run_files, lora):
+    cfg = load_config(run_files, ["run.precision=bf16", f"models.policy_lora.enabled={lora}"])
+    models = load_models(cfg, torch.device("cpu"))
+    trained = [p for p in models.policy.parameters() if p.requires_grad]
+    assert trained and {p.dtype for p in trained} == {torch.float32}  # fp32 masters for Adam
+    frozen_policy = {p.dtype for p in models.policy.parameters() if not p.requires_grad}
+    assert frozen_policy == ({torch.bfloat16} if lora else set())  # a LoRA base is frozen: 2 bytes/param
+    if not lora:  # with LoRA the reference is that bf16 base, run without the adapter
+        assert dtypes(models.reference) == {torch.bfloat16}
+    assert dtypes(models.value) == {torch.float32}  # a critic copied from a frozen base is trained in fp32
+    assert models.identities["reference"]["dtype"] == "bfloat16"
+
+
+def test_auto_precision_is_fp32_on_cpu(run_files):
+    models = load_models(load_config(run_files), torch.device("cpu"))
+    assert dtypes(models.policy) == dtypes(models.reference) == {torch.float32}

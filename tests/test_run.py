@@ -69,16 +69,21 @@ def policy_tensors(run_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "lora, ppo",
-    [(False, {}), (True, {}), (True, {"gradient_checkpointing": True, "critic_warmup_steps": 3})],
-    ids=["full", "lora", "lora-checkpointed-critic-warmup"],  # the last one is split inside its warmup
+    "lora, ppo, run",
+    [
+        (False, {}, {}),
+        (True, {}, {}),
+        (True, {"gradient_checkpointing": True, "critic_warmup_steps": 3}, {}),
+        (False, {}, {"precision": "bf16"}),
+    ],
+    ids=["full", "lora", "lora-checkpointed-critic-warmup", "bf16"],  # the third is split inside its warmup
 )
-def test_resume_is_exact(run_files, lora, ppo):
+def test_resume_is_exact(run_files, lora, ppo, run):
     """N steps in one go == k steps, stop, resume for N-k: same metrics, bit-identical weights."""
     models = {"policy_lora": {"enabled": True, "r": 4, "alpha": 8}} if lora else {}
     straight = write_config(
         run_files,
-        run={"steps": 4, "output_dir": str(run_files.parent / "straight")},
+        run={"steps": 4, "output_dir": str(run_files.parent / "straight"), **run},
         models={**yaml.safe_load(run_files.read_text())["models"], **models},
         ppo=ppo,
     )

@@ -54,6 +54,29 @@ def test_first_update_sees_ratio_one_and_metrics_are_complete():
     assert metrics["policy/updates"] == 1 and trainer.policy_version == 1
 
 
+def test_bf16_precision_runs_the_passes_in_bf16_and_keeps_fp32_masters():
+    """bf16 autocast changes the log-probs by bf16 rounding only; what is trained stays fp32."""
+    first_rollouts = {}
+    for precision in ("fp32", "bf16"):
+        trainer = toy_trainer(
+            f"run.precision={precision}",
+            "ppo.ppo_epochs=1",
+            "ppo.minibatch_size=8",
+            models=toy_models(head_scale=1.0),  # logits large enough for bf16 rounding to show
+        )
+        with trainer.autocast():
+            first_rollouts[precision] = trainer.collect_rollout()
+        metrics = trainer.step()
+        assert abs(metrics["policy/ratio_mean"] - 1.0) < 1e-2 and metrics["engine/logp_gap"] < 1e-2
+    fp32, bf16 = first_rollouts["fp32"], first_rollouts["bf16"]
+    assert torch.equal(fp32.response_ids, bf16.response_ids)  # same draws ...
+    gap = (fp32.logp_old - bf16.logp_old).abs()[fp32.response_mask.bool()]
+    assert 0 < gap.max() < 5e-2  # ... from logits rounded to bf16
+    states = [s for s in trainer.optimizer.state.values()]
+    assert states and all(s["exp_avg"].dtype == torch.float32 for s in states)
+    assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())
+
+
 def test_approx_kl_early_stop_cuts_the_epochs():
     trainer = toy_trainer("ppo.ppo_epochs=4", "ppo.target_approx_kl=1e-9", "ppo.lr=1e-2")
     trainer.step()  # the first step moves the policy; the second's first epoch overshoots the tiny target

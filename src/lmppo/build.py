@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmppo.config import Config, RewardConfig
+from lmppo.config import Config, ModelSource, RewardConfig
 from lmppo.errors import LmppoError
 from lmppo.models import (
     ValueModel,
@@ -22,6 +22,7 @@ from lmppo.models import (
     load_tokenizer,
     make_reference,
     model_identity,
+    resolve_precision,
     resolve_source,
     with_lora,
 )
@@ -51,7 +52,25 @@ class LoadedReward:
     identity: dict
 
 
-def load_reward(reward_cfg: RewardConfig, device: torch.device | str = "cpu") -> LoadedReward:
+def settled_dtype(section: ModelSource, where: str, *, precision: str, trained: bool) -> ModelSource:
+    """``section`` with its weights' dtype decided: unset means bfloat16 for frozen weights under bf16
+    and float32 otherwise. Trained weights are fp32 masters (bf16 Adam updates round away small steps),
+    so an explicit 16-bit dtype on fully trained weights is refused."""
+    if section.dtype is None:
+        dtype = "bfloat16" if precision == "bf16" and not trained else "float32"
+        return section.model_copy(update={"dtype": dtype})
+    if trained and section.dtype != "float32":
+        raise LmppoError(
+            f"{where}.dtype={section.dtype} would train every weight in 16 bits, with no fp32 master copy "
+            f"for Adam's small updates; remove {where}.dtype (run.precision=bf16 computes in bf16 and keeps "
+            "fp32 weights), or train LoRA adapters on the 16-bit base (models.policy_lora.enabled=true)"
+        )
+    return section
+
+
+def load_reward(
+    reward_cfg: RewardConfig, device: torch.device | str = "cpu", precision: str = "fp32"
+) -> LoadedReward:
     """``reward.model`` (scored with its own tokenizer and chat template) or ``reward.function``."""
     if reward_cfg.model is None:
         return LoadedReward(
@@ -59,7 +78,7 @@ def load_reward(reward_cfg: RewardConfig, device: torch.device | str = "cpu") ->
             None,
             {"role": "reward", "function": reward_cfg.function},
         )
-    spec = reward_cfg.model
+    spec = settled_dtype(reward_cfg.model, "reward.model", precision=precision, trained=False)
     tokenizer = load_tokenizer(spec)
     model = load_reward_model(spec).to(device)
     scorer = RewardModelScorer(
@@ -93,6 +112,8 @@ def load_value_model(cfg: Config, policy: nn.Module, reward_model: nn.Module | N
         value = ValueModel.from_reward_model(reward_model)
     else:
         value = ValueModel.from_causal_lm(policy)
+    # what is trained is fp32 master weights, also when copied from a 16-bit frozen model
+    (value.head if v.lora.enabled else value).float()
     return with_lora(value, v.lora).to(device)
 
 
@@ -100,17 +121,25 @@ def load_models(cfg: Config, device: torch.device) -> PPOModels:
     """Policy (+ LoRA), reference, reward (model or function) and critic, with identity records.
 
     The order is fixed: LoRA adapters and fresh heads draw their initial weights from the global RNG.
+    Weights' dtypes follow ``run.precision`` (:func:`settled_dtype`).
     """
     m = cfg.models
-    policy_source = resolve_source(m.policy)
-    tokenizer = load_tokenizer(m.policy)
-    policy = with_lora(load_causal_lm(m.policy).to(device), m.policy_lora)
+    precision = resolve_precision(cfg.run.precision, device)
+    policy_spec = settled_dtype(
+        m.policy, "models.policy", precision=precision, trained=not m.policy_lora.enabled
+    )
+    policy_source = resolve_source(policy_spec)
+    tokenizer = load_tokenizer(policy_spec)
+    policy = with_lora(load_causal_lm(policy_spec).to(device), m.policy_lora)
     if m.reference is not None:
-        reference_source = resolve_source(m.reference)
-        reference = freeze(load_causal_lm(m.reference)).to(device)
+        reference_spec = settled_dtype(m.reference, "models.reference", precision=precision, trained=False)
+        reference_source = resolve_source(reference_spec)
+        reference = freeze(load_causal_lm(reference_spec)).to(device)
     else:  # the policy's starting weights: adapter-disabled view with LoRA, else a frozen copy
         reference_source, reference = policy_source, make_reference(policy)
-    reward = load_reward(cfg.reward, device)
+        if precision == "bf16" and not m.policy_lora.enabled:
+            reference.to(torch.bfloat16)  # frozen: 2 bytes per parameter
+    reward = load_reward(cfg.reward, device, precision)
     value = load_value_model(cfg, policy, reward.model, device)
     if cfg.ppo.gradient_checkpointing:
         enable_gradient_checkpointing(policy)

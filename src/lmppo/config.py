@@ -40,7 +40,11 @@ class ModelSource(Section):
 
     path: str
     gguf_file: str | None = Field(None, description="file name of a GGUF checkpoint inside `path`")
-    dtype: Dtype = "float32"
+    dtype: Dtype | None = Field(
+        None,
+        description="weights' dtype; unset = by run.precision: bfloat16 for frozen weights (reference, reward "
+        "model, LoRA bases) under bf16, float32 for every trained weight and under fp32",
+    )
     trust_remote_code: bool = False
     chat_template: str | None = Field(None, description="Jinja template overriding the tokenizer's own")
 
@@ -220,11 +224,26 @@ class RunConfig(Section):
     steps: int = Field(100, gt=0, description="PPO steps (rollout + update) in the whole run")
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="forward passes of all four models: bf16 = under bf16 autocast with fp32 master weights "
+        "and optimizer state; auto = bf16 on a CUDA device that supports it, else fp32",
+    )
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: all cores)")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = at the end only")
     keep_last: int = Field(2, gt=0)
     eval_every: int = Field(0, ge=0, description="steps between held-out evaluations; 0 = off")
     eval_batch_size: int = Field(32, gt=0)
+
+    @model_validator(mode="after")
+    def _no_fp16(self) -> RunConfig:
+        if self.precision == "fp16":
+            raise ValueError(
+                "run.precision=fp16 is not supported: fp16 training needs a loss scaler whose state every "
+                "checkpoint would carry, and its range overflows on large logits; use run.precision=bf16 "
+                "(CPUs, NVIDIA Ampere and newer) or fp32"
+            )
+        return self
 
 
 class LoggingConfig(Section):

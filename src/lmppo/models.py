@@ -109,7 +109,7 @@ def _from_pretrained_kwargs(spec: ModelSource, source: ResolvedSource, *, weight
     """``from_pretrained`` keywords: local files only, the GGUF file, and (for weights) the dtype."""
     kwargs = {"local_files_only": True, "trust_remote_code": spec.trust_remote_code}
     if weights:
-        kwargs["dtype"] = DTYPES[spec.dtype]  # the config section has validated the name
+        kwargs["dtype"] = DTYPES[spec.dtype or "float32"]  # the config section has validated the name
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
     return kwargs
@@ -303,6 +303,23 @@ def checkpointing(layers: list[nn.Module]) -> Iterator[None]:
             layer.training = False
 
 
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``run.precision`` for this device: ``auto`` is bf16 on a CUDA device with bf16 support, else fp32
+    (CPUs without AMX run bf16 matmuls no faster than fp32)."""
+    if precision != "auto":
+        return precision
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return "bf16" if cuda_bf16 else "fp32"
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The forward passes' numerics: bf16 autocast (matmuls in bf16, weights and everything else as
+    stored, so trained weights stay fp32 masters) or nothing for fp32."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def trainable_parameters(*models: nn.Module) -> list[nn.Parameter]:
     """Parameters with ``requires_grad`` across ``models``, each once (a shared trunk is not repeated)."""
     seen: set[int] = set()
@@ -341,7 +358,12 @@ class ValueModel(nn.Module):
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state  # (B, T, H)
-        return self.head(hidden).squeeze(-1).float()
+        return self.values(hidden)
+
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) hidden states -> (B, T) float32 values; the trained head stays float32 on a
+        16-bit backbone."""
+        return self.head(hidden.to(next(self.head.parameters()).dtype)).squeeze(-1).float()
 
     @classmethod
     def from_reward_model(cls, reward_model: PreTrainedModel, *, copy_weights: bool = True) -> ValueModel:
@@ -401,8 +423,7 @@ def _score_head(reward_model: PreTrainedModel) -> nn.Module:
 
 
 def _zero_head(backbone: nn.Module, hidden_size: int) -> nn.Linear:
-    param = next(backbone.parameters())
-    head = nn.Linear(hidden_size, 1, device=param.device, dtype=param.dtype)
+    head = nn.Linear(hidden_size, 1, device=next(backbone.parameters()).device)  # float32: it is trained
     nn.init.zeros_(head.weight)
     nn.init.zeros_(head.bias)
     return head

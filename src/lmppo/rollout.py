@@ -170,7 +170,7 @@ def policy_logits_and_values(
     if not value_model.shared_trunk:
         raise ValueError("policy_logits_and_values needs a shared-trunk value model; use value_predictions")
     out, keep = _response_forward(policy, batch, output_hidden_states=True)
-    values = value_model.head(out.hidden_states[-1][:, keep]).squeeze(-1).float()  # (B, R)
+    values = value_model.values(out.hidden_states[-1][:, keep])  # (B, R)
     return _tempered(out.logits, batch, temperature), values
 
 

@@ -184,7 +184,8 @@ def _train(
                     f"`lmppo ppo --resume {run_dir}`"
                 ) from None
             if evaluator is not None and cfg.run.eval_every and trainer.step_count % cfg.run.eval_every == 0:
-                metrics.update(evaluator())  # in its own RNG stream: the training draws stay as they were
+                with trainer.autocast():  # in its own RNG stream: the training draws stay as they were
+                    metrics.update(evaluator())
             metrics = reduce_metrics(metrics, dist_info.group)
             logger.log(trainer.step_count, metrics)
             progress.update(trainer.step_count, metrics)

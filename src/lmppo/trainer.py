@@ -32,7 +32,7 @@ from lmppo.distributed import (
 )
 from lmppo.errors import LmppoError
 from lmppo.metrics import timed
-from lmppo.models import trainable_parameters
+from lmppo.models import autocast, resolve_precision, trainable_parameters
 from lmppo.rollout import (
     Generator,
     PolicyAndValue,
@@ -105,6 +105,9 @@ class PPOTrainer:
         # update's first forward then agree exactly, so the first ratio is 1. Gradients still flow.
         for model in (self.policy, self.value_model):
             model.eval()
+        device = next(self.policy.parameters()).device
+        self.precision = resolve_precision(cfg.run.precision, device)  # of every forward pass, see autocast
+        self.autocast = lambda: autocast(self.precision, device)
         # The update's forward. With several ranks it runs under DDP, which syncs gradients during the
         # backward; generation and the stored passes use the plain modules (no gradients to sync).
         self.train_module: nn.Module = PolicyAndValue(self.policy, self.value_model)
@@ -177,7 +180,7 @@ class PPOTrainer:
         seconds: dict[str, float] = {}
         with timed(seconds, "perf/step_s"):
             # 1. Rollout: sample responses with the current policy; refuse data older than allowed.
-            with timed(seconds, "perf/rollout_s"):
+            with timed(seconds, "perf/rollout_s"), self.autocast():
                 rollout = self.collect_rollout()
             lag = self.policy_version - rollout.policy_version
 
@@ -252,12 +255,12 @@ class PPOTrainer:
         mask = rollout.response_mask
         forward_batch = cfg.rollout.forward_batch_size
         seconds: dict[str, float] = {}
-        with timed(seconds, "perf/reward_s"):
+        with timed(seconds, "perf/reward_s"), self.autocast():
             rm_score_raw = self.models.reward(rollout.prompts, rollout.response_texts).float().to(mask.device)
-            rm_score, transform_stats = self.score_transform(rm_score_raw, rollout.terminated, group)
-        with timed(seconds, "perf/reference_s"):
+        rm_score, transform_stats = self.score_transform(rm_score_raw, rollout.terminated, group)
+        with timed(seconds, "perf/reference_s"), self.autocast():
             logp_ref = sequence_logprobs(self.reference, rollout, forward_batch_size=forward_batch)
-        with timed(seconds, "perf/values_s"):
+        with timed(seconds, "perf/values_s"), self.autocast():
             values, bootstrap_value = value_predictions(
                 self.value_model, rollout, forward_batch_size=forward_batch
             )
@@ -325,9 +328,10 @@ class PPOTrainer:
         each token by ``min(p_trainer / p_engine, cap)`` (``extras["tis_weights"]``). The engine's
         log-probs move to ``extras["logp_engine"]``."""
         mask = rollout.response_mask
-        logp_trainer = sequence_logprobs(
-            self.policy, rollout, forward_batch_size=self.cfg.rollout.forward_batch_size
-        )
+        with self.autocast():
+            logp_trainer = sequence_logprobs(
+                self.policy, rollout, forward_batch_size=self.cfg.rollout.forward_batch_size
+            )
         weights = core.truncated_importance_weights(
             logp_trainer, rollout.logp_old, mask, self.cfg.ppo.tis_cap
         )
@@ -426,7 +430,8 @@ class PPOTrainer:
     def micro_batch_loss(self, micro: Rollout) -> tuple[dict[str, float], torch.Tensor]:
         ppo = self.cfg.ppo
         mask, extras = micro.response_mask, micro.extras
-        logits, values = self.train_module(micro)
+        with self.autocast():  # the forward only: backward runs each op in its forward's dtype
+            logits, values = self.train_module(micro)
         logp_new = core.token_logprobs(logits, micro.response_ids)
         policy_loss, clip_frac = core.ppo_clip_loss(
             logp_new,
@@ -468,10 +473,11 @@ class PPOTrainer:
     def ptx_loss(self) -> torch.Tensor:
         """InstructGPT's PPO-ptx term: next-token loss on a batch of demonstrations (response tokens)."""
         batch = self.ptx_batches()
-        out = self.policy(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
-        )
-        return out.loss
+        with self.autocast():
+            out = self.policy(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]
+            )
+        return out.loss.float()
 
     def _clip_gradients(self) -> tuple[float, float, bool]:
         """Clip policy and critic gradients separately; report pre-clip norms and whether both are finite.
