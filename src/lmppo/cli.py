@@ -73,6 +73,9 @@ def ppo(
         False, "--allow-config-change", help="Resume even if the config or models differ (recorded)."
     ),
     quiet: bool = typer.Option(False, "--quiet", help="Plain log lines instead of a live display."),
+    force: bool = typer.Option(
+        False, "--force", help="Start even when the memory plan (`lmppo plan`) says the run does not fit."
+    ),
 ) -> None:
     """Train a policy with PPO: `lmppo ppo CONFIG section.key=value ...`."""
     from lmppo.config import load_config
@@ -89,9 +92,32 @@ def ppo(
     if quiet:
         overrides.append("logging.quiet=true")
     run_dir = train(
-        load_config(config, overrides), resume=resume is not None, allow_config_change=allow_config_change
+        load_config(config, overrides),
+        resume=resume is not None,
+        allow_config_change=allow_config_change,
+        force=force,
     )
     console.print(f"run directory: {run_dir}")
+
+
+@app.command()
+def plan(
+    config: Path = typer.Argument(..., help="YAML config of a PPO run."),
+    overrides: list[str] | None = typer.Argument(None, help="section.key=value overrides"),
+    ranks: int | None = typer.Option(None, "--ranks", help="Plan for this many torchrun ranks."),
+    memory_gb: float | None = typer.Option(
+        None,
+        "--memory-gb",
+        help="Memory of the device to plan for, GiB (default: what this machine has free).",
+    ),
+) -> None:
+    """The run's memory per rank before it starts: models, KV cache, activations, against the device."""
+    from lmppo.config import load_config
+    from lmppo.plan import GIB, memory_plan, plan_report
+
+    cfg = load_config(config, list(overrides or []))
+    available = int(memory_gb * GIB) if memory_gb is not None else None
+    Console().print(plan_report(memory_plan(cfg, world_size=ranks, available=available)))  # stdout: a result
 
 
 def _supervised_config(config: Path, overrides: list[str] | None):

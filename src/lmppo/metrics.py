@@ -76,6 +76,7 @@ METRIC_NAMES: dict[str, str] = {
     "perf/rollout_tokens_per_s": "generated response tokens per second, all ranks",
     "perf/train_tokens_per_s": "response tokens processed per second of PPO update, all ranks",
     "perf/peak_rss_mb": "peak resident memory of the process in MiB",
+    "perf/peak_gpu_mb": "peak CUDA memory allocated by torch in MiB (CUDA runs only)",
     "perf/allreduce_mb": "gradient bytes all-reduced by DDP this step, MiB per rank (only with several ranks)",
     "eval/reward/rm_score": "mean reward-model (or reward function) score on the held-out prompts",
     "eval/gold_score": "mean gold-judge score on the held-out prompts, where a judge exists",
@@ -104,6 +105,7 @@ REDUCE_OPS: dict[str, str] = {
     "perf/rollout_tokens_per_s": "min",  # all ranks' tokens over this rank's seconds: the slowest rank's
     "perf/train_tokens_per_s": "min",
     "perf/peak_rss_mb": "max",
+    "perf/peak_gpu_mb": "max",
 }
 
 # Old name -> current name: metrics.jsonl files written before a rename still read (read_metrics).

@@ -29,6 +29,7 @@ from peft.utils import ModulesToSaveWrapper
 from safetensors import SafetensorError
 from torch import nn
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -139,6 +140,17 @@ def load_tokenizer(model: ModelSource | str | os.PathLike) -> PreTrainedTokenize
                 "tokenizer, or convert the model to a transformers directory that has one."
             ) from err
         raise _load_error("the tokenizer", source, err) from err
+
+
+def load_model_config(model: ModelSource | str | os.PathLike):
+    """A model's architecture config alone (no weights read): what :mod:`lmppo.plan` sizes."""
+    spec, source = as_model_source(model), resolve_source(model)
+    try:
+        return AutoConfig.from_pretrained(
+            source.directory, **_from_pretrained_kwargs(spec, source, weights=False)
+        )
+    except (OSError, ValueError) as err:
+        raise _load_error("the model config", source, err) from None
 
 
 def _weights_source(model: ModelSource | str | os.PathLike) -> tuple[ModelSource, ResolvedSource]:
@@ -304,12 +316,13 @@ def checkpointing(layers: list[nn.Module]) -> Iterator[None]:
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """``run.precision`` for this device: ``auto`` is bf16 on a CUDA device with bf16 support, else fp32
-    (CPUs without AMX run bf16 matmuls no faster than fp32)."""
+    """``run.precision`` for this device: ``auto`` is bf16 on a CUDA device with bf16 support (assumed for
+    one that is planned for but not present), else fp32 (CPUs without AMX run bf16 matmuls no faster)."""
     if precision != "auto":
         return precision
-    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    return "bf16" if cuda_bf16 else "fp32"
+    if device.type != "cuda":
+        return "fp32"
+    return "bf16" if not torch.cuda.is_available() or torch.cuda.is_bf16_supported() else "fp32"
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:

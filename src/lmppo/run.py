@@ -33,6 +33,7 @@ from lmppo.distributed import DistInfo, any_rank, barrier, distributed_session, 
 from lmppo.errors import Interrupted, LmppoError, UserCodeError
 from lmppo.guards import Guards
 from lmppo.metrics import MetricsLogger, ProgressDisplay, reduce_metrics
+from lmppo.plan import check_plan
 from lmppo.sft import sft_batch
 from lmppo.trainer import PPOTrainer
 
@@ -76,15 +77,17 @@ def train(
     resume: bool = False,
     allow_config_change: bool = False,
     evaluator_factory: Callable[[PPOModels], Evaluator] | None = None,
+    force: bool = False,
 ) -> Path:
     """Run (or resume) PPO as configured; returns the run directory. Raises LmppoError on a guard abort.
 
     ``evaluator_factory(models)`` gives the held-out evaluation run every ``run.eval_every`` steps; its
-    ``eval/*`` metrics join that step's record (and the ``reward_without_eval`` guard).
+    ``eval/*`` metrics join that step's record (and the ``reward_without_eval`` guard). A run whose memory
+    plan does not fit the device is refused before any model is loaded, unless ``force``.
     """
     device = resolve_device(cfg.run.device)
     with distributed_session(device.type) as dist_info:
-        return _train(cfg, device, dist_info, resume, allow_config_change, evaluator_factory)
+        return _train(cfg, device, dist_info, resume, allow_config_change, evaluator_factory, force)
 
 
 def _train(
@@ -94,12 +97,14 @@ def _train(
     resume: bool,
     allow_config_change: bool,
     evaluator_factory: Callable[[PPOModels], Evaluator] | None,
+    force: bool,
 ) -> Path:
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     run_dir = Path(cfg.run.output_dir)
     checkpoint = _checkpoint_to_resume(run_dir, resume, dist_info.is_main)
     barrier(dist_info.group)  # every rank has looked for a checkpoint before rank 0 writes the first one
+    plan = check_plan(cfg, force)  # before anything heavy: no OOM an hour in
     seed_everything(cfg.run.seed)  # every rank builds the same models (fresh heads, LoRA adapters)
 
     models = load_models(cfg, device)
@@ -123,6 +128,7 @@ def _train(
         "config": cfg.model_dump(mode="json"),
         "identities": models.identities,
         "world_size": dist_info.world_size,
+        "memory_plan": {"peak_bytes": plan.peak, "available_bytes": plan.available, "fits": plan.fits},
     }
 
     def save(tag: str) -> Path | None:

@@ -105,9 +105,9 @@ class PPOTrainer:
         # update's first forward then agree exactly, so the first ratio is 1. Gradients still flow.
         for model in (self.policy, self.value_model):
             model.eval()
-        device = next(self.policy.parameters()).device
-        self.precision = resolve_precision(cfg.run.precision, device)  # of every forward pass, see autocast
-        self.autocast = lambda: autocast(self.precision, device)
+        self.device = next(self.policy.parameters()).device
+        self.precision = resolve_precision(cfg.run.precision, self.device)  # of every forward, see autocast
+        self.autocast = lambda: autocast(self.precision, self.device)
         # The update's forward. With several ranks it runs under DDP, which syncs gradients during the
         # backward; generation and the stored passes use the plain modules (no gradients to sync).
         self.train_module: nn.Module = PolicyAndValue(self.policy, self.value_model)
@@ -217,6 +217,8 @@ class PPOTrainer:
             "perf/train_tokens_per_s": trained_tokens / max(seconds["perf/update_s"], 1e-9),
             "perf/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
+        if self.device.type == "cuda":
+            metrics["perf/peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         if self.allreduce_counter is not None:
             metrics["perf/allreduce_mb"] = self.allreduce_counter.take() / 2**20
         return metrics

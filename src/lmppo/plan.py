@@ -1,0 +1,472 @@
+"""The memory plan of a run, made before anything heavy is loaded: ``lmppo plan`` prints it and ``lmppo ppo``
+refuses a plan that cannot fit (unless ``--force``), naming what to change.
+
+Parameters are counted exactly: each model is built from its config on the meta device (no weights read),
+with LoRA and the critic set up by the same functions a run uses. Bytes follow the seeds' table: a trained
+weight is an fp32 master (4) + its gradient (4) + Adam's two moments (8) = 16 bytes, a frozen weight is its
+dtype's size. The three phases of a step use memory one after the other, so the peak is the models plus the
+largest phase: the rollout's KV cache, the stored passes' logits, the update's activations. Activations are
+estimated per decoder layer and token from the architecture's widths with constants measured on CPU
+(docs/performance.md states the error against measured peaks).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Group
+from rich.table import Table
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from lmppo.build import settled_dtype
+from lmppo.config import Config, load_config
+from lmppo.data import load_prompts, render_query_ids
+from lmppo.errors import LmppoError
+from lmppo.models import DTYPES, ValueModel, load_model_config, load_tokenizer, resolve_precision, with_lora
+
+GIB = 2**30
+CUDA_CONTEXT_BYTES = GIB // 2  # the CUDA context and kernels: outside torch's allocator
+# What a decoder layer keeps for its backward, per token, in hidden-wide and intermediate-wide tensors of
+# the compute dtype: fitted to SmolLM2's measured peaks (docs/performance.md), as is LOGIT_BYTES, the bytes
+# per response token and vocabulary entry of the update's logits beyond the compute-dtype ones (the fp32
+# copy, the tempered copy, log-softmax, the entropy's softmax, their gradients).
+SAVED_HIDDEN, SAVED_MLP = 3, 2
+LOGIT_BYTES = 24
+WORKING_HIDDEN, WORKING_MLP = 2, 3
+# On CPU, glibc's heap keeps blocks the update freed (its mmap threshold adapts upward), so a run's resident
+# peak exceeds what is allocated at once by up to this share of the largest phase (SmolLM2: 0.5-0.8; with
+# MALLOC_MMAP_THRESHOLD_=131072 it is 0, but the update is 1.5x slower). torch's CUDA allocator reports
+# allocated bytes apart (max_memory_allocated), so CUDA plans carry none.
+CPU_HEAP_RETENTION = 0.5  # what one layer holds at a time in a pass without gradients
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The widths of a decoder stack that size its activations and KV cache."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    kv_width: int  # key (= value) width per token and layer: kv heads x head dim
+    vocab: int
+
+    @classmethod
+    def of(cls, config) -> Shape:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+            kv_width=kv_heads * head_dim,
+            vocab=config.vocab_size,
+        )
+
+    def saved_per_token(self, act_bytes: int, checkpointing: bool) -> int:
+        """Bytes the backward keeps per token over the whole stack."""
+        full_layer = act_bytes * (SAVED_HIDDEN * self.hidden + SAVED_MLP * self.intermediate)
+        if checkpointing:  # each layer keeps its input; one layer is recomputed at a time
+            return self.layers * act_bytes * self.hidden + full_layer
+        return self.layers * full_layer
+
+    def working_per_token(self, act_bytes: int) -> int:
+        return act_bytes * (WORKING_HIDDEN * self.hidden + WORKING_MLP * self.intermediate)
+
+
+@dataclass
+class ModelRow:
+    """One model's standing memory: weights, and for what is trained its gradients and Adam moments."""
+
+    role: str
+    parameters: int
+    dtype: str  # of the frozen weights; trained weights are float32
+    trained: int
+    note: str = ""
+    frozen_bytes_per_param: int = 4
+
+    @property
+    def weights(self) -> int:
+        return (self.parameters - self.trained) * self.frozen_bytes_per_param + self.trained * 4
+
+    @property
+    def grads(self) -> int:
+        return self.trained * 4
+
+    @property
+    def adam(self) -> int:
+        return self.trained * 8
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.adam
+
+
+@dataclass
+class MemoryPlan:
+    """Per-rank memory of a run: models, the step's phases, the process itself; and what is available."""
+
+    precision: str
+    device: str
+    world_size: int
+    models: list[ModelRow]
+    phases: dict[str, int]  # phase -> bytes; they follow one another, so the largest counts
+    runtime: int  # the process before any model: interpreter, torch, CUDA context
+    available: int | None  # bytes this device can still give (all ranks on it together)
+    ranks_per_device: int = 1  # processes sharing the device's memory (CPU: every local rank)
+    heap_retention: float = 0.0  # share of the largest phase the allocator keeps after freeing it
+    details: dict[str, str] = field(default_factory=dict)  # phase -> how it was sized
+
+    @property
+    def static(self) -> int:
+        return sum(row.total for row in self.models)
+
+    @property
+    def retained(self) -> int:
+        return int(self.heap_retention * max(self.phases.values()))
+
+    @property
+    def needed_per_rank(self) -> int:
+        """Bytes one rank takes beyond the running process: the models and the largest phase."""
+        return self.static + max(self.phases.values()) + self.retained
+
+    @property
+    def peak(self) -> int:
+        """Peak bytes of one rank."""
+        return self.runtime + self.needed_per_rank
+
+    @property
+    def needed(self) -> int:
+        """Bytes still to be taken from the device: the running processes already hold ``runtime``."""
+        return self.ranks_per_device * self.needed_per_rank
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.needed <= self.available
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameter counts on the meta device
+# --------------------------------------------------------------------------------------------------
+
+
+def _meta_model(config, *, reward: bool = False):
+    with torch.device("meta"):
+        if reward:
+            config.num_labels = 1
+            return AutoModelForSequenceClassification.from_config(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _counts(module) -> tuple[int, int]:
+    params = list(module.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def _frozen(module):
+    module.requires_grad_(False)
+    return module
+
+
+def model_rows(cfg: Config, precision: str) -> tuple[list[ModelRow], dict[str, Shape]]:
+    """The four models' rows (parameters, dtype, trained share) and the shapes of the policy and critic."""
+    m = cfg.models
+    lora = m.policy_lora.enabled
+    policy_spec = settled_dtype(m.policy, "models.policy", precision=precision, trained=not lora)
+    policy_config = load_model_config(policy_spec)
+    policy = with_lora(_meta_model(policy_config), m.policy_lora)
+    params, trained = _counts(policy)
+    rows = [_row("policy", params, trained, policy_spec.dtype, f"LoRA r{m.policy_lora.r}" if lora else "")]
+    shapes = {"policy": Shape.of(policy_config)}
+
+    if m.reference is not None:
+        spec = settled_dtype(m.reference, "models.reference", precision=precision, trained=False)
+        rows.append(_row("reference", _counts(_meta_model(load_model_config(spec)))[0], 0, spec.dtype))
+    elif lora:
+        rows.append(_row("reference", 0, 0, policy_spec.dtype, "= policy base"))
+    else:
+        rows.append(_row("reference", params, 0, "bfloat16" if precision == "bf16" else "float32", "a copy"))
+
+    reward_model, reward_dtype = None, "float32"
+    if cfg.reward.model is not None:
+        spec = settled_dtype(cfg.reward.model, "reward.model", precision=precision, trained=False)
+        reward_config = load_model_config(spec)
+        reward_model, reward_dtype = _frozen(_meta_model(reward_config, reward=True)), spec.dtype
+        rows.append(_row("reward", _counts(reward_model)[0], 0, spec.dtype))
+        shapes["reward"] = Shape.of(reward_config)
+    else:
+        rows.append(_row("reward", 0, 0, "-", "function"))
+
+    v = m.value
+    if v.mode == "shared":
+        head = ValueModel.shared_trunk(policy).head
+        rows.append(_row("value", head.weight.numel() + head.bias.numel(), None, "float32", "shared trunk"))
+    else:
+        if v.init_from == "reward" and reward_model is None:
+            raise LmppoError(
+                "models.value.init_from=reward needs a reward model (reward.model); "
+                "with a programmatic reward use models.value.init_from=policy"
+            )
+        if v.init_from == "reward":
+            value, base_dtype = ValueModel.from_reward_model(reward_model), reward_dtype
+            shapes["value"] = shapes["reward"]
+        else:
+            value, base_dtype = ValueModel.from_causal_lm(policy), policy_spec.dtype
+            shapes["value"] = shapes["policy"]
+        value = with_lora(value, v.lora)
+        value_params, value_trained = _counts(value)
+        note = f"LoRA r{v.lora.r}, from {v.init_from}" if v.lora.enabled else f"from {v.init_from}"
+        rows.append(
+            _row("value", value_params, value_trained, base_dtype if v.lora.enabled else "float32", note)
+        )
+    return rows, shapes
+
+
+def _row(role: str, params: int, trained: int | None, dtype: str, note: str = "") -> ModelRow:
+    trained = params if trained is None else trained
+    size = DTYPES[dtype].itemsize if dtype in DTYPES else 4
+    return ModelRow(role, params, dtype, trained, note, size)
+
+
+# --------------------------------------------------------------------------------------------------
+# The step's phases
+# --------------------------------------------------------------------------------------------------
+
+
+def longest_prompt(cfg: Config) -> int:
+    """Tokens of the longest rendered prompt (capped by ``data.max_prompt_length``)."""
+    if cfg.data.max_prompt_length and cfg.data.truncate_prompts:
+        return cfg.data.max_prompt_length
+    tokenizer = load_tokenizer(cfg.models.policy)
+    prompts = load_prompts(cfg.data.prompts, cfg.data.split)
+    if cfg.data.raw_prompts:
+        lengths = [len(tokenizer(str(p))["input_ids"]) for p in prompts]
+    else:
+        lengths = [len(render_query_ids(tokenizer, p, cfg.models.policy.chat_template)) for p in prompts]
+    return max(lengths, default=1)
+
+
+def phase_bytes(
+    cfg: Config,
+    rows: list[ModelRow],
+    shapes: dict[str, Shape],
+    precision: str,
+    prompt_tokens: int,
+    world_size: int,
+) -> tuple[dict[str, int], dict[str, str]]:
+    """Bytes of the rollout, the stored passes and the update on one rank, and how each was sized."""
+    act = 2 if precision == "bf16" else 4
+    policy, critic = shapes["policy"], shapes.get("value")
+    batch = max(cfg.rollout.batch_size // world_size, 1)
+    response = cfg.rollout.max_new_tokens
+    length = prompt_tokens + response
+    by_role = {row.role: row for row in rows}
+
+    # Rollout: the static KV cache of the whole batch, one layer's prefill working set, the sampling logits.
+    if cfg.rollout.engine == "vllm":
+        rollout = cfg.rollout.vllm_kv_cache_gb * GIB + by_role["policy"].parameters * act  # its own weights
+        rollout_how = f"vLLM: {cfg.rollout.vllm_kv_cache_gb} GiB KV cache + its weights"
+    else:
+        kv = 2 * policy.layers * policy.kv_width * act * batch * length
+        rollout = kv + batch * prompt_tokens * policy.working_per_token(act) + batch * policy.vocab * 16
+        rollout_how = f"KV cache of {batch} x {length} tokens: {size(kv)}"
+
+    # Stored passes (no gradients): logits of a forward batch (compute dtype + fp32 copy + log-softmax).
+    forward_rows = min(cfg.rollout.forward_batch_size or batch, batch)
+    stored = forward_rows * (length * policy.working_per_token(act) + response * policy.vocab * (act + 8))
+    if "reward" in shapes:
+        rm_rows = min(cfg.reward.batch_size, batch)
+        stored = max(
+            stored, rm_rows * (cfg.reward.max_length or length) * shapes["reward"].working_per_token(act)
+        )
+
+    # Update: the saved activations of one micro-batch (policy and a separate critic), its logits with
+    # their gradient, autocast's bf16 copies of trained weights and, under DDP, the gradient buckets.
+    minibatch_rows = max(cfg.ppo.minibatch_size // world_size, 1)
+    if cfg.ppo.micro_batch_tokens:
+        tokens = min(cfg.ppo.micro_batch_tokens, minibatch_rows * length)
+        how = f"micro-batches <= {tokens} tokens"
+    else:
+        rows_per_micro = max((cfg.ppo.micro_batch_size or cfg.ppo.minibatch_size) // world_size, 1)
+        tokens = rows_per_micro * length
+        how = f"micro-batches of {rows_per_micro} x {length} tokens"
+    checkpointing = cfg.ppo.gradient_checkpointing
+    saved = tokens * policy.saved_per_token(act, checkpointing)
+    if critic is not None and cfg.models.value.mode == "separate":
+        saved += tokens * critic.saved_per_token(act, checkpointing)
+    logits = tokens * response // length * policy.vocab * (act + LOGIT_BYTES)
+    trained = sum(row.trained for row in rows)
+    update = (
+        saved + logits + (trained * 2 if precision == "bf16" else 0) + (trained * 4 if world_size > 1 else 0)
+    )
+    how += ", checkpointed" if checkpointing else ", all activations kept"
+    phases = {"rollout": rollout, "stored passes": stored, "update": update}
+    details = {
+        "rollout": rollout_how,
+        "stored passes": f"{forward_rows} rows x {length} tokens per forward",
+        "update": how,
+    }
+    return phases, details
+
+
+# --------------------------------------------------------------------------------------------------
+# The device, the plan, and what to change when it does not fit
+# --------------------------------------------------------------------------------------------------
+
+
+def planned_device(cfg: Config) -> str:
+    if cfg.run.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.run.device
+
+
+def process_rss() -> int:
+    """Resident bytes of this process now (Linux ``/proc``; else the peak so far)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes the device can still give: free CUDA memory, or the RAM the kernel calls available."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        free, _ = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))
+        return free
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_plan(
+    cfg: Config, *, world_size: int | None = None, available: int | None = None, device: str | None = None
+) -> MemoryPlan:
+    """The plan of ``cfg`` on ``world_size`` ranks (default: this launch's) against ``available`` bytes
+    (default: what this machine's device has free now)."""
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    device = device or planned_device(cfg)
+    precision = resolve_precision(cfg.run.precision, torch.device(device))
+    rows, shapes = model_rows(cfg, precision)
+    phases, details = phase_bytes(cfg, rows, shapes, precision, longest_prompt(cfg), world_size)
+    runtime = CUDA_CONTEXT_BYTES if device == "cuda" else process_rss()  # GPU memory is not the process's RSS
+    ranks_per_device = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device == "cpu" else 1
+    return MemoryPlan(
+        precision=precision,
+        device=device,
+        world_size=world_size,
+        models=rows,
+        phases=phases,
+        runtime=runtime,
+        available=available if available is not None else available_memory(device),
+        ranks_per_device=ranks_per_device,
+        heap_retention=CPU_HEAP_RETENTION if device == "cpu" else 0.0,
+        details=details,
+    )
+
+
+def remedies(cfg: Config, plan: MemoryPlan) -> list[tuple[str, int]]:
+    """Config changes that shrink the plan, with the bytes each saves per rank, largest first."""
+    candidates = []
+    if not cfg.models.policy_lora.enabled:
+        candidates.append("models.policy_lora.enabled=true")
+    if plan.precision == "fp32":
+        candidates.append("run.precision=bf16")
+    if not cfg.ppo.gradient_checkpointing:
+        candidates.append("ppo.gradient_checkpointing=true")
+    if cfg.models.value.mode == "separate" and not cfg.models.value.lora.enabled:
+        candidates.append("models.value.mode=shared")
+    update_tokens = plan.phases["update"]
+    if update_tokens == max(plan.phases.values()):
+        budget = max(
+            64, (cfg.ppo.micro_batch_tokens or cfg.ppo.minibatch_size * cfg.rollout.max_new_tokens) // 4
+        )
+        candidates.append(f"ppo.micro_batch_tokens={budget}")
+    if plan.phases["stored passes"] == max(plan.phases.values()):
+        candidates.append(
+            f"rollout.forward_batch_size={max(1, (cfg.rollout.forward_batch_size or cfg.rollout.batch_size) // 4)}"
+        )
+    saved = []
+    for change in candidates:
+        overrides = [change, "ppo.micro_batch_size=null"] if "micro_batch_tokens" in change else [change]
+        changed = load_config(base=cfg.model_dump(mode="json"), overrides=overrides)
+        smaller = memory_plan(
+            changed, world_size=plan.world_size, available=plan.available, device=plan.device
+        )
+        if plan.needed_per_rank - smaller.needed_per_rank > plan.needed_per_rank / 100:  # worth naming
+            saved.append((change, plan.needed_per_rank - smaller.needed_per_rank))
+    return sorted(saved, key=lambda item: -item[1])
+
+
+def check_plan(cfg: Config, force: bool = False) -> MemoryPlan:
+    """Refuse a run whose plan cannot fit the device (``lmppo ppo``), unless ``force``."""
+    plan = memory_plan(cfg)
+    if plan.fits or force:
+        return plan
+    fixes = "; ".join(f"{change} (saves {size(saved)})" for change, saved in remedies(cfg, plan))
+    largest = max(plan.phases, key=plan.phases.get)
+    raise LmppoError(
+        f"this run needs about {size(plan.needed)} more memory on {plan.device} but {size(plan.available)} "
+        f"are available (per rank: models {size(plan.static)}, largest phase {largest} "
+        f"{size(plan.phases[largest])}; `lmppo plan CONFIG` shows the whole table). "
+        + (f"To fit, change: {fixes}. " if fixes else "")
+        + "More ranks do not shrink it yet: each rank holds whole models. Pass --force to start anyway."
+    )
+
+
+def count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+def size(n: int) -> str:
+    """Bytes for people: MiB below a GiB, else GiB."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def plan_report(plan: MemoryPlan) -> Group:
+    """The plan as the seeds' memory table, the step's phases and the verdict (per rank)."""
+    models = Table(title=f"memory plan per rank: {plan.device}, {plan.precision}, {plan.world_size} rank(s)")
+    for column in ("model", "params", "dtype", "trained", "weights", "grads+Adam", "total"):
+        models.add_column(column, justify="left" if column in ("model", "dtype") else "right")
+    for row in plan.models:
+        share = f"{row.trained / row.parameters:.1%}" if row.parameters else "-"
+        name = f"{row.role} ({row.note})" if row.note else row.role
+        models.add_row(
+            name,
+            count(row.parameters),
+            row.dtype,
+            share,
+            size(row.weights),
+            size(row.grads + row.adam),
+            size(row.total),
+        )
+    phases = Table(title="one step (the phases follow one another: the largest counts)")
+    for column in ("phase", "memory", "sized by"):
+        phases.add_column(column, justify="right" if column == "memory" else "left")
+    largest = max(plan.phases, key=plan.phases.get)
+    for phase, nbytes in plan.phases.items():
+        phases.add_row(f"{phase} (peak)" if phase == largest else phase, size(nbytes), plan.details[phase])
+    lines = [
+        f"peak per rank: [bold]{size(plan.peak)}[/] = models {size(plan.static)} + {largest} "
+        f"{size(plan.phases[largest])}"
+        + (f" + heap retention {size(plan.retained)}" if plan.retained else "")
+        + f" + process {size(plan.runtime)}"
+        + (" (the CUDA context, outside torch's max_memory_allocated)" if plan.device == "cuda" else "")
+    ]
+    if plan.available is not None:
+        ranks = f" for {plan.ranks_per_device} ranks" if plan.ranks_per_device > 1 else ""
+        verdict = "[green]fits[/]" if plan.fits else "[bold red]does NOT fit[/]"
+        lines.append(
+            f"{plan.device} has {size(plan.available)} available; the run needs {size(plan.needed)} more{ranks}: {verdict}"
+        )
+    return Group(models, phases, *lines)

@@ -1,0 +1,95 @@
+"""The memory plan: exact parameter counts, the seeds' bytes per parameter, what each option saves, the
+refusal before a run that cannot fit, and the plan against a run's measured peak."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import run_cli
+
+from lmppo import plan as plan_module
+from lmppo.build import load_models
+from lmppo.checkpoint import latest_checkpoint
+from lmppo.config import load_config
+from lmppo.metrics import read_metrics
+from lmppo.plan import memory_plan
+
+
+def rows_by_role(plan):
+    return {row.role: row for row in plan.models}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["models.policy_lora.enabled=true"],
+        ["models.value.mode=shared"],
+        ["models.value.lora.enabled=true"],
+    ],
+    ids=["full", "lora", "shared-critic", "lora-critic"],
+)
+def test_parameter_counts_are_those_of_the_loaded_models(run_files, overrides):
+    cfg = load_config(run_files, overrides)
+    rows = rows_by_role(memory_plan(cfg))
+    models = load_models(cfg, torch.device("cpu"))
+    for role, module in (("policy", models.policy), ("value", models.value)):
+        params = list(module.parameters())
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        if role == "value" and cfg.models.value.mode == "shared":  # the head alone is the critic's own
+            head = sum(p.numel() for p in module.head.parameters())
+            assert rows[role].parameters == rows[role].trained == head
+        else:
+            assert (rows[role].parameters, rows[role].trained) == (sum(p.numel() for p in params), trained)
+
+
+def test_bytes_per_parameter_follow_the_seeds(run_files):
+    fp32 = rows_by_role(memory_plan(load_config(run_files)))
+    assert fp32["policy"].total == 16 * fp32["policy"].parameters  # fp32 weight + grad + two Adam moments
+    assert fp32["reference"].total == 4 * fp32["reference"].parameters
+    bf16 = rows_by_role(memory_plan(load_config(run_files, ["run.precision=bf16"])))
+    assert bf16["reference"].total == 2 * bf16["reference"].parameters  # frozen in bf16
+    assert bf16["policy"].total == fp32["policy"].total  # trained weights stay fp32 masters
+    lora = rows_by_role(memory_plan(load_config(run_files, ["models.policy_lora.enabled=true"])))["policy"]
+    frozen = lora.parameters - lora.trained
+    assert 0 < lora.trained < lora.parameters and lora.total == 4 * frozen + 16 * lora.trained
+
+
+def test_each_memory_option_shrinks_its_phase(run_files):
+    def phases(*overrides):
+        return memory_plan(load_config(run_files, ["rollout.max_new_tokens=64", *overrides])).phases
+
+    base = phases()
+    assert phases("ppo.gradient_checkpointing=true")["update"] < base["update"]
+    assert phases("ppo.micro_batch_tokens=40")["update"] < base["update"]
+    assert phases("rollout.forward_batch_size=1")["stored passes"] < base["stored passes"]
+    assert phases("run.precision=bf16")["rollout"] < base["rollout"]  # a bf16 KV cache
+    assert phases("rollout.max_new_tokens=128")["rollout"] > base["rollout"]
+
+
+def test_lmppo_plan_prints_the_table_and_the_verdict(run_files, capsys):
+    assert run_cli("plan", str(run_files), "--memory-gb", "16", "--ranks", "2") == 0
+    out = capsys.readouterr().out
+    assert "memory plan per rank: cpu, fp32, 2 rank(s)" in out and "grads+Adam" in out
+    assert "peak per rank" in out and "16.00 GiB available" in out and "fits" in out
+
+
+def test_a_run_that_cannot_fit_is_refused_before_loading_unless_forced(run_files, capsys, monkeypatch):
+    monkeypatch.setattr(plan_module, "available_memory", lambda device: 1024)  # 1 KiB free
+    assert run_cli("ppo", str(run_files)) == 2
+    err = capsys.readouterr().err
+    assert "are available" in err and "ppo.gradient_checkpointing=true" in err and "--force" in err
+    assert "Traceback" not in err and not (run_files.parent / "run" / "metrics.jsonl").exists()
+    assert run_cli("ppo", str(run_files), "--force") == 0
+
+
+@pytest.mark.slow
+def test_the_plan_is_within_25_percent_of_a_runs_measured_peak(run_files):
+    """In a fresh process, as a user runs it: the manifest's planned peak against the measured peak RSS."""
+    subprocess.run([sys.executable, "-m", "lmppo", "ppo", str(run_files)], check=True, capture_output=True)
+    run_dir = run_files.parent / "run"
+    planned = json.loads((latest_checkpoint(run_dir) / "manifest.json").read_text())["memory_plan"]
+    measured = max(r["perf/peak_rss_mb"] for r in read_metrics(run_dir)) * 2**20
+    assert planned["fits"] and abs(planned["peak_bytes"] / measured - 1) < 0.25
