@@ -97,11 +97,26 @@ def test_bench_distributed_runs_one_and_two_processes(run_files, tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_memory_runs_both_modes(tmp_path):
-    report = run_bench(BENCH.parent / "bench_memory.py", "--rows", "1", "--response", "8")
+def test_bench_memory_runs_every_mode(tmp_path):
+    report = run_bench(
+        BENCH.parent / "bench_memory.py", "--rows", "1", "--response", "8", "--out", str(tmp_path)
+    )
     assert list(report["results"]) == [
         "one micro-batch",
         "gradient_checkpointing",
         "gradient_checkpointing + micro_batch_tokens=1024",
     ]
     assert all(r["peak_rss_mb"] > 0 and r["update_s"] > 0 for r in report["results"].values())
+    assert all(r["plan_peak_mb"] > 0 for r in report["results"].values())
+
+
+@pytest.mark.slow
+def test_bench_gpu_runs_on_cpu_too(tmp_path):
+    """The GPU benchmark's code path, at its smallest size on CPU (CI has no GPU)."""
+    args = ["--device", "cpu", "--models", "smollm2", "--precisions", "fp32", "--steps", "1"]
+    report = run_bench(
+        BENCH.parent / "bench_gpu.py", *args, "--rows", "2", "--tokens", "4", "--out", str(tmp_path)
+    )
+    result = report["results"]["smollm2 fp32"]
+    assert "error" not in result, result
+    assert result["step_s"] > 0 and result["peak_mb"] > 0 and result["plan_mb"] > 0

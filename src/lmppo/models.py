@@ -594,12 +594,16 @@ def _lora_record(model) -> dict | None:
     }
 
 
+def weight_files(source: ResolvedSource) -> list[Path]:
+    """A model's weight files: its GGUF file, or the directory's weight files sorted by name."""
+    if source.gguf_file:
+        return [source.directory / source.gguf_file]
+    return sorted(p for p in source.directory.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
 def weights_sha256(source: ResolvedSource) -> str:
     """sha256 over a model's weight files (name and content hash of each, sorted by name)."""
-    if source.gguf_file:
-        files = [source.directory / source.gguf_file]
-    else:
-        files = sorted(p for p in source.directory.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    files = weight_files(source)
     if not files:
         raise LmppoError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {source}.")
     return _text_sha256("".join(f"{p.name}:{_file_sha256(p)}\n" for p in files))

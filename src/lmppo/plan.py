@@ -22,10 +22,19 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from lmppo.build import settled_dtype
-from lmppo.config import Config, load_config
+from lmppo.config import Config, ModelSource, load_config
 from lmppo.data import load_prompts, render_query_ids
 from lmppo.errors import LmppoError
-from lmppo.models import DTYPES, ValueModel, load_model_config, load_tokenizer, resolve_precision, with_lora
+from lmppo.models import (
+    DTYPES,
+    ValueModel,
+    load_model_config,
+    load_tokenizer,
+    resolve_precision,
+    resolve_source,
+    weight_files,
+    with_lora,
+)
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = GIB // 2  # the CUDA context and kernels: outside torch's allocator
@@ -126,7 +135,8 @@ class MemoryPlan:
 
     @property
     def retained(self) -> int:
-        return int(self.heap_retention * max(self.phases.values()))
+        """What the heap keeps of the step's phases (file pages read while loading are unmapped after)."""
+        return int(self.heap_retention * max(v for k, v in self.phases.items() if k != "loading"))
 
     @property
     def needed_per_rank(self) -> int:
@@ -171,8 +181,17 @@ def _frozen(module):
     return module
 
 
-def model_rows(cfg: Config, precision: str) -> tuple[list[ModelRow], dict[str, Shape]]:
-    """The four models' rows (parameters, dtype, trained share) and the shapes of the policy and critic."""
+def conversion_bytes(spec: ModelSource) -> int:
+    """Host bytes of the weight files a 16-bit load reads while it converts them (their pages stay resident
+    next to the converted copy until the load ends); 0 when the weights are used as stored."""
+    if spec.dtype == "float32":
+        return 0
+    return sum(path.stat().st_size for path in weight_files(resolve_source(spec)))
+
+
+def model_rows(cfg: Config, precision: str) -> tuple[list[ModelRow], dict[str, Shape], int]:
+    """The four models' rows (parameters, dtype, trained share), the shapes of the policy and critic, and
+    the largest conversion a load does (:func:`conversion_bytes`)."""
     m = cfg.models
     lora = m.policy_lora.enabled
     policy_spec = settled_dtype(m.policy, "models.policy", precision=precision, trained=not lora)
@@ -181,10 +200,12 @@ def model_rows(cfg: Config, precision: str) -> tuple[list[ModelRow], dict[str, S
     params, trained = _counts(policy)
     rows = [_row("policy", params, trained, policy_spec.dtype, f"LoRA r{m.policy_lora.r}" if lora else "")]
     shapes = {"policy": Shape.of(policy_config)}
+    conversions = [conversion_bytes(policy_spec)]
 
     if m.reference is not None:
         spec = settled_dtype(m.reference, "models.reference", precision=precision, trained=False)
         rows.append(_row("reference", _counts(_meta_model(load_model_config(spec)))[0], 0, spec.dtype))
+        conversions.append(conversion_bytes(spec))
     elif lora:
         rows.append(_row("reference", 0, 0, policy_spec.dtype, "= policy base"))
     else:
@@ -196,6 +217,7 @@ def model_rows(cfg: Config, precision: str) -> tuple[list[ModelRow], dict[str, S
         reward_config = load_model_config(spec)
         reward_model, reward_dtype = _frozen(_meta_model(reward_config, reward=True)), spec.dtype
         rows.append(_row("reward", _counts(reward_model)[0], 0, spec.dtype))
+        conversions.append(conversion_bytes(spec))
         shapes["reward"] = Shape.of(reward_config)
     else:
         rows.append(_row("reward", 0, 0, "-", "function"))
@@ -222,7 +244,7 @@ def model_rows(cfg: Config, precision: str) -> tuple[list[ModelRow], dict[str, S
         rows.append(
             _row("value", value_params, value_trained, base_dtype if v.lora.enabled else "float32", note)
         )
-    return rows, shapes
+    return rows, shapes, max(conversions)
 
 
 def _row(role: str, params: int, trained: int | None, dtype: str, note: str = "") -> ModelRow:
@@ -357,8 +379,10 @@ def memory_plan(
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     device = device or planned_device(cfg)
     precision = resolve_precision(cfg.run.precision, torch.device(device))
-    rows, shapes = model_rows(cfg, precision)
+    rows, shapes, conversion = model_rows(cfg, precision)
     phases, details = phase_bytes(cfg, rows, shapes, precision, longest_prompt(cfg), world_size)
+    if device == "cpu" and conversion:  # on CUDA the files are read into host memory, not the GPU's
+        phases["loading"], details["loading"] = conversion, "weight files read while converting to 16 bits"
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else process_rss()  # GPU memory is not the process's RSS
     ranks_per_device = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device == "cpu" else 1
     return MemoryPlan(
