@@ -211,6 +211,11 @@ CASES = [
     Case("unknown device", "run.device", ppo(None, "run.device=tpu")),
     Case("unknown sink", "logging.sinks", ppo(None, "logging.sinks=[nope]")),
     Case("unknown dtype", "models.policy.dtype", ppo(None, "models.policy.dtype=float8")),
+    Case(
+        "two forward batchings",
+        "rollout.forward_batch_size (rows) or rollout.forward_batch_tokens",
+        ppo(None, "rollout.forward_batch_size=2", "rollout.forward_batch_tokens=64"),
+    ),
     Case("fp16 precision", "run.precision=fp16 is not supported", ppo(None, "run.precision=fp16")),
     Case(
         "16-bit weights fully trained",

@@ -65,6 +65,7 @@ def test_each_memory_option_shrinks_its_phase(run_files):
     assert phases("ppo.gradient_checkpointing=true")["update"] < base["update"]
     assert phases("ppo.micro_batch_tokens=40")["update"] < base["update"]
     assert phases("rollout.forward_batch_size=1")["stored passes"] < base["stored passes"]
+    assert phases("rollout.forward_batch_tokens=40")["stored passes"] < base["stored passes"]
     assert phases("run.precision=bf16")["rollout"] < base["rollout"]  # a bf16 KV cache
     assert phases("rollout.max_new_tokens=128")["rollout"] > base["rollout"]
 

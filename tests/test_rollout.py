@@ -20,6 +20,7 @@ from lmppo.rollout import (
     response_logits,
     response_mask_from_ids,
     sequence_logprobs,
+    token_budget_groups,
     value_predictions,
 )
 
@@ -349,6 +350,40 @@ def test_sequence_logprobs_micro_batching_and_temperature(policy_tokenizer, poli
             whole[b, :n], teacher_forced_logprobs(reference, rollout, b, 0.7), atol=LOGP_TOL, rtol=0
         )
     assert not torch.allclose(sequence_logprobs(reference, rollout, temperature=1.0), whole)
+
+
+def test_stored_passes_within_a_token_budget_equal_one_pass(policy_tokenizer, policy_model, boosted):
+    """Rows regrouped by length and trimmed, results put back in their rows' places."""
+    model = boosted(policy_model, policy_tokenizer.eos_token_id, 1.5)  # responses of mixed lengths
+    rollout = generate(model, policy_tokenizer, prompts=PROMPTS * 2, max_new_tokens=8, seed=2)
+    assert rollout.response_lengths.unique().numel() > 2
+    value_model = ValueModel.from_causal_lm(model)
+    torch.nn.init.normal_(value_model.head.weight)
+    mask = rollout.response_mask.bool()
+    whole_logp = sequence_logprobs(model, rollout)
+    whole_values, whole_bootstrap = value_predictions(value_model, rollout)
+    width = rollout.query_ids.shape[1] + rollout.response_ids.shape[1]
+    for budget in (1, width + 1, 3 * width):  # one row each, a row or so, several
+        logp = sequence_logprobs(model, rollout, forward_batch_tokens=budget)
+        values, bootstrap = value_predictions(value_model, rollout, forward_batch_tokens=budget)
+        torch.testing.assert_close(logp[mask], whole_logp[mask], atol=1e-5, rtol=0)
+        torch.testing.assert_close(values[mask], whole_values[mask], atol=1e-5, rtol=0)
+        torch.testing.assert_close(bootstrap, whole_bootstrap, atol=1e-5, rtol=0)
+
+
+def test_token_budget_groups_respect_the_budget_and_cover_every_row():
+    queries, responses = torch.tensor([5, 3, 9, 2, 4]), torch.tensor([1, 7, 2, 2, 6])
+    groups = token_budget_groups(20, queries, responses)
+    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3, 4]
+    for group in groups:  # padded size: rows x (longest query + longest response)
+        assert len(group) == 1 or len(group) * (queries[group].max() + responses[group].max()) <= 20
+    assert token_budget_groups(1, queries, responses) == [
+        [2],
+        [1],
+        [4],
+        [0],
+        [3],
+    ]  # each alone, longest first
 
 
 def test_rollout_tensors_feed_the_update_with_autograd(policy_tokenizer, policy_model):

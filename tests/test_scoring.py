@@ -44,6 +44,9 @@ def test_reward_model_scores_its_own_rendering_of_the_text(
     assert scores.shape == (4,) and scores.dtype == torch.float32
     expected = [direct_score(reward_model, reward_tokenizer, p, r) for p, r in zip(PROMPTS, RESPONSES)]
     torch.testing.assert_close(scores, torch.tensor(expected), atol=1e-5, rtol=0)
+    for budget in (1, 12, 40):  # grouped by length within a token budget: the same scores, in row order
+        budgeted = RewardModelScorer(reward_model, reward_tokenizer, batch_tokens=budget)
+        torch.testing.assert_close(budgeted(PROMPTS, RESPONSES), scores, atol=1e-5, rtol=0)
 
     # Policies with different vocabularies tokenise the responses differently; the scores follow the text.
     vocab = policy_tokenizer.get_vocab()

@@ -87,6 +87,7 @@ def load_reward(
         chat_template=spec.chat_template,
         max_length=reward_cfg.max_length,
         batch_size=reward_cfg.batch_size,
+        batch_tokens=reward_cfg.batch_tokens,
     )
     identity = model_identity(
         "reward",

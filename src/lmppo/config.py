@@ -75,6 +75,12 @@ class RewardConfig(Section):
         description="'package.module:function' or 'path/to/file.py:function' taking (prompts, responses)",
     )
     batch_size: int = Field(16, gt=0)
+    batch_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="a token budget per reward-model forward instead of batch_size rows: inputs grouped by "
+        "length, at most this many of the RM's tokens each (padding included)",
+    )
     max_length: int | None = Field(None, gt=0, description="truncate RM inputs (its own tokens)")
     missing_eos_penalty: float | None = Field(
         None,
@@ -131,6 +137,20 @@ class RolloutConfig(Section):
         "bootstraps from V(state after the last token)",
     )
     forward_batch_size: int | None = Field(None, gt=0, description="micro-batch of the stored passes")
+    forward_batch_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="a token budget per forward of the stored passes (reference, values) instead: rows "
+        "grouped by length, at most this many query + response positions each (padding included)",
+    )
+
+    @model_validator(mode="after")
+    def _one_forward_batching(self) -> RolloutConfig:
+        if self.forward_batch_size is not None and self.forward_batch_tokens is not None:
+            raise ValueError(
+                "set rollout.forward_batch_size (rows) or rollout.forward_batch_tokens (a token budget), not both"
+            )
+        return self
 
 
 class PPOConfig(Section):

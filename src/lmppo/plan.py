@@ -297,13 +297,22 @@ def phase_bytes(
         rollout_how = f"KV cache of {batch} x {length} tokens: {size(kv)}"
 
     # Stored passes (no gradients): logits of a forward batch (compute dtype + fp32 copy + log-softmax).
-    forward_rows = min(cfg.rollout.forward_batch_size or batch, batch)
-    stored = forward_rows * (length * policy.working_per_token(act) + response * policy.vocab * (act + 8))
-    if "reward" in shapes:
-        rm_rows = min(cfg.reward.batch_size, batch)
-        stored = max(
-            stored, rm_rows * (cfg.reward.max_length or length) * shapes["reward"].working_per_token(act)
+    if cfg.rollout.forward_batch_tokens:
+        forward_tokens = min(cfg.rollout.forward_batch_tokens, batch * length)
+        stored_how = f"forwards of <= {forward_tokens} tokens"
+    else:
+        forward_rows = min(cfg.rollout.forward_batch_size or batch, batch)
+        forward_tokens, stored_how = (
+            forward_rows * length,
+            f"{forward_rows} rows x {length} tokens per forward",
         )
+    stored = forward_tokens * policy.working_per_token(act)
+    stored += forward_tokens * response // length * policy.vocab * (act + 8)
+    if "reward" in shapes:
+        rm_tokens = cfg.reward.batch_tokens or min(cfg.reward.batch_size, batch) * (
+            cfg.reward.max_length or length
+        )
+        stored = max(stored, rm_tokens * shapes["reward"].working_per_token(act))
 
     # Update: the saved activations of one micro-batch (policy and a separate critic), its logits with
     # their gradient, autocast's bf16 copies of trained weights and, under DDP, the gradient buckets.
@@ -328,7 +337,7 @@ def phase_bytes(
     phases = {"rollout": rollout, "stored passes": stored, "update": update}
     details = {
         "rollout": rollout_how,
-        "stored passes": f"{forward_rows} rows x {length} tokens per forward",
+        "stored passes": stored_how,
         "update": how,
     }
     return phases, details
@@ -422,7 +431,11 @@ def remedies(cfg: Config, plan: MemoryPlan) -> list[tuple[str, int]]:
         )
     saved = []
     for change in candidates:
-        overrides = [change, "ppo.micro_batch_size=null"] if "micro_batch_tokens" in change else [change]
+        overrides = [change]
+        if "micro_batch_tokens" in change:  # a budget replaces a row count
+            overrides.append("ppo.micro_batch_size=null")
+        if "forward_batch_tokens" in change:
+            overrides.append("rollout.forward_batch_size=null")
         changed = load_config(base=cfg.model_dump(mode="json"), overrides=overrides)
         smaller = memory_plan(
             changed, world_size=plan.world_size, available=plan.available, device=plan.device

@@ -201,21 +201,25 @@ def _tempered(logits: torch.Tensor, batch: Rollout, temperature: float | None) -
 
 
 def sequence_logprobs(
-    model, rollout: Rollout, temperature: float | None = None, *, forward_batch_size: int | None = None
+    model,
+    rollout: Rollout,
+    temperature: float | None = None,
+    *,
+    forward_batch_size: int | None = None,
+    forward_batch_tokens: int | None = None,
 ) -> torch.Tensor:
     """Log-probs of the sampled tokens under ``model`` (B, R) float32, eval mode, no grad.
 
     The stored reference pass (``logp_ref``), and the trainer's own log-probs of engine samples. The
     temperature defaults to the sampling temperature, so the KL compares like with like. Values at
-    masked positions are finite but meaningless.
+    masked positions are finite but meaningless. Forwards take ``forward_batch_size`` rows or (trimmed)
+    ``forward_batch_tokens`` positions at a time.
     """
+    pieces = []
     with torch.inference_mode(), eval_mode(model):
-        logp = torch.cat(
-            [
-                token_logprobs(response_logits(model, mb, temperature), mb.response_ids)
-                for mb in rollout.minibatches(forward_batch_size or len(rollout))
-            ]
-        )
+        for index, mb in stored_pass_batches(rollout, forward_batch_size, forward_batch_tokens):
+            pieces.append((index, token_logprobs(response_logits(model, mb, temperature), mb.response_ids)))
+        logp = scatter_rows(pieces, len(rollout), rollout.response_ids.shape[1])
     return logp.clone()  # a normal tensor: inference tensors cannot meet autograd later
 
 
@@ -225,7 +229,11 @@ def state_values(value_model: ValueModel, batch: Rollout) -> torch.Tensor:
 
 
 def value_predictions(
-    value_model: ValueModel, rollout: Rollout, *, forward_batch_size: int | None = None
+    value_model: ValueModel,
+    rollout: Rollout,
+    *,
+    forward_batch_size: int | None = None,
+    forward_batch_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored values for GAE, eval mode, no grad.
 
@@ -235,12 +243,17 @@ def value_predictions(
     """
     values, bootstrap = [], []
     with torch.inference_mode(), eval_mode(value_model):
-        for mb in rollout.minibatches(forward_batch_size or len(rollout)):
+        for index, mb in stored_pass_batches(rollout, forward_batch_size, forward_batch_tokens):
             v = state_values(value_model, mb)
             after_last = v.gather(1, (last_response_index(mb.response_mask) + 1).unsqueeze(1)).squeeze(1)
-            values.append(v[:, :-1])
-            bootstrap.append(torch.where(mb.terminated, 0.0, after_last))
-    return torch.cat(values), torch.cat(bootstrap)  # cat outside inference mode: normal tensors
+            values.append((index, v[:, :-1]))
+            bootstrap.append((index, torch.where(mb.terminated, 0.0, after_last)[:, None]))
+        width = rollout.response_ids.shape[1]
+        values, bootstrap = (
+            scatter_rows(values, len(rollout), width),
+            scatter_rows(bootstrap, len(rollout), 1),
+        )
+    return values.clone(), bootstrap.squeeze(1).clone()  # normal tensors, not inference ones
 
 
 class PolicyAndValue(nn.Module):
@@ -282,22 +295,60 @@ def trim_padding(rollout: Rollout) -> Rollout:
     return dataclasses.replace(rollout, **queries, **responses, extras=extras)
 
 
+def token_budget_groups(max_tokens: int, *part_lengths: torch.Tensor) -> list[list[int]]:
+    """Rows grouped so that each group's padded size, rows x the sum over parts (query, response) of the
+    part's longest, is at most ``max_tokens``: longest rows first, a row over the budget alone, short rows
+    together. ``part_lengths`` are (B,) lengths, one tensor per separately padded part."""
+    lengths = torch.stack([part.cpu().long() for part in part_lengths])  # (parts, B)
+    groups: list[list[int]] = [[]]
+    for row in torch.argsort(lengths.sum(0), descending=True, stable=True).tolist():
+        grown = [*groups[-1], row]
+        if groups[-1] and len(grown) * int(lengths[:, grown].max(1).values.sum()) > max_tokens:
+            groups.append([row])
+        else:
+            groups[-1] = grown
+    return groups
+
+
 def token_budget_micro_batches(minibatch: Rollout, max_tokens: int) -> Iterator[Rollout]:
     """Trimmed micro-batches of at most ``max_tokens`` positions each, padding included (so at most that
-    many real tokens): rows longest first, a row over the budget alone, short rows together.
+    many real tokens), grouped by :func:`token_budget_groups`.
 
     The update's activations grow with the positions a forward computes, not with its rows, so a token
     budget bounds memory where a row count cannot: 4 rows of 1,000 tokens cost what 40 rows of 100 do.
     """
-    queries, responses = minibatch.query_mask.sum(1).cpu(), minibatch.response_mask.sum(1).clamp(min=1).cpu()
-    group: list[int] = []
-    for row in torch.argsort(queries + responses, descending=True, stable=True).tolist():
-        grown = [*group, row]
-        if group and len(grown) * int(queries[grown].max() + responses[grown].max()) > max_tokens:
-            yield trim_padding(minibatch.select(torch.tensor(group)))
-            grown = [row]
-        group = grown
-    yield trim_padding(minibatch.select(torch.tensor(group)))
+    for group in _budget_groups(minibatch, max_tokens):
+        yield trim_padding(minibatch.select(torch.tensor(group)))
+
+
+def _budget_groups(rollout: Rollout, max_tokens: int) -> list[list[int]]:
+    return token_budget_groups(
+        max_tokens, rollout.query_mask.sum(1), rollout.response_mask.sum(1).clamp(min=1)
+    )
+
+
+def stored_pass_batches(
+    rollout: Rollout, rows: int | None = None, tokens: int | None = None
+) -> Iterator[tuple[torch.Tensor, Rollout]]:
+    """``(row indices, batch)`` covering every row once, for a pass without gradients: consecutive
+    batches of ``rows`` (all rows by default), or trimmed batches within a ``tokens`` budget."""
+    if tokens:
+        for group in _budget_groups(rollout, tokens):
+            index = torch.tensor(group)
+            yield index, trim_padding(rollout.select(index))
+        return
+    for start in range(0, len(rollout), rows or len(rollout)):
+        index = torch.arange(start, min(start + (rows or len(rollout)), len(rollout)))
+        yield index, rollout.select(index)
+
+
+def scatter_rows(pieces: list[tuple[torch.Tensor, torch.Tensor]], batch: int, width: int) -> torch.Tensor:
+    """(B, width) from ``(row indices, (b, w <= width))`` pieces; columns a trimmed piece lacks are 0."""
+    first = pieces[0][1]
+    out = first.new_zeros((batch, width))
+    for index, piece in pieces:
+        out[index.to(out.device), : piece.shape[1]] = piece
+    return out
 
 
 def length_sorted_micro_batches(minibatch: Rollout, size: int) -> Iterator[Rollout]:

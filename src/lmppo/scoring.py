@@ -26,6 +26,7 @@ from lmppo.core import masked_mean, masked_var
 from lmppo.data import Prompt, as_messages, encode_chat, render_chat
 from lmppo.errors import LmppoError, user_code_error
 from lmppo.models import ValueModel, eval_mode
+from lmppo.rollout import token_budget_groups
 
 
 class RewardFunction(Protocol):
@@ -73,6 +74,7 @@ class RewardModelScorer:
         raw_text: bool = False,
         max_length: int | None = None,
         batch_size: int = 16,
+        batch_tokens: int | None = None,
     ) -> None:
         if not raw_text and chat_template is None and not tokenizer.chat_template:
             raise LmppoError(
@@ -84,7 +86,7 @@ class RewardModelScorer:
         )  # per-token scores, a view
         self.tokenizer, self.chat_template, self.raw_text = tokenizer, chat_template, raw_text
         self.max_length = max_length or getattr(model.config, "max_position_embeddings", None)
-        self.batch_size = batch_size
+        self.batch_size, self.batch_tokens = batch_size, batch_tokens
 
     def render(self, prompt: Prompt, response: str) -> list[int]:
         if self.raw_text:
@@ -105,10 +107,19 @@ class RewardModelScorer:
                 stacklevel=2,
             )
             rows = [ids[-self.max_length :] for ids in rows]
-        scores = [
-            self._score_batch(rows[i : i + self.batch_size]) for i in range(0, len(rows), self.batch_size)
-        ]
-        return torch.cat(scores) if scores else torch.zeros(0)
+        if not rows:
+            return torch.zeros(0)
+        if self.batch_tokens:  # by length within a budget; scores go back to their rows' places
+            groups = token_budget_groups(self.batch_tokens, torch.tensor([len(ids) for ids in rows]))
+        else:
+            groups = [
+                list(range(i, min(i + self.batch_size, len(rows))))
+                for i in range(0, len(rows), self.batch_size)
+            ]
+        scores = torch.zeros(len(rows))
+        for group in groups:
+            scores[group] = self._score_batch([rows[i] for i in group])
+        return scores
 
     def _score_batch(self, rows: list[list[int]]) -> torch.Tensor:
         device = next(self.token_scores.parameters()).device

@@ -108,6 +108,10 @@ class PPOTrainer:
         self.device = next(self.policy.parameters()).device
         self.precision = resolve_precision(cfg.run.precision, self.device)  # of every forward, see autocast
         self.autocast = lambda: autocast(self.precision, self.device)
+        self.stored_pass_batching = {  # rows or a token budget per forward of the passes without gradients
+            "forward_batch_size": cfg.rollout.forward_batch_size,
+            "forward_batch_tokens": cfg.rollout.forward_batch_tokens,
+        }
         # The update's forward. With several ranks it runs under DDP, which syncs gradients during the
         # backward; generation and the stored passes use the plain modules (no gradients to sync).
         self.train_module: nn.Module = PolicyAndValue(self.policy, self.value_model)
@@ -255,17 +259,15 @@ class PPOTrainer:
         """
         cfg, group = self.cfg, self.group
         mask = rollout.response_mask
-        forward_batch = cfg.rollout.forward_batch_size
+        stored_pass = self.stored_pass_batching
         seconds: dict[str, float] = {}
         with timed(seconds, "perf/reward_s"), self.autocast():
             rm_score_raw = self.models.reward(rollout.prompts, rollout.response_texts).float().to(mask.device)
         rm_score, transform_stats = self.score_transform(rm_score_raw, rollout.terminated, group)
         with timed(seconds, "perf/reference_s"), self.autocast():
-            logp_ref = sequence_logprobs(self.reference, rollout, forward_batch_size=forward_batch)
+            logp_ref = sequence_logprobs(self.reference, rollout, **stored_pass)
         with timed(seconds, "perf/values_s"), self.autocast():
-            values, bootstrap_value = value_predictions(
-                self.value_model, rollout, forward_batch_size=forward_batch
-            )
+            values, bootstrap_value = value_predictions(self.value_model, rollout, **stored_pass)
         tis_stats = self._truncated_importance_sampling(rollout) if cfg.ppo.tis_cap else {}
 
         # A truncated row either ends the episode (scored, nothing after it) or is unfinished (its future,
@@ -331,9 +333,7 @@ class PPOTrainer:
         log-probs move to ``extras["logp_engine"]``."""
         mask = rollout.response_mask
         with self.autocast():
-            logp_trainer = sequence_logprobs(
-                self.policy, rollout, forward_batch_size=self.cfg.rollout.forward_batch_size
-            )
+            logp_trainer = sequence_logprobs(self.policy, rollout, **self.stored_pass_batching)
         weights = core.truncated_importance_weights(
             logp_trainer, rollout.logp_old, mask, self.cfg.ppo.tis_cap
         )
