@@ -4,6 +4,7 @@ refusal before a run that cannot fit, and the plan against a run's measured peak
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from lmppo.build import load_models
 from lmppo.checkpoint import latest_checkpoint
 from lmppo.config import load_config
 from lmppo.metrics import read_metrics
-from lmppo.plan import memory_plan
+from lmppo.plan import memory_plan, size
 
 
 def rows_by_role(plan):
@@ -94,3 +95,19 @@ def test_the_plan_is_within_25_percent_of_a_runs_measured_peak(run_files):
     planned = json.loads((latest_checkpoint(run_dir) / "manifest.json").read_text())["memory_plan"]
     measured = max(r["perf/peak_rss_mb"] for r in read_metrics(run_dir)) * 2**20
     assert planned["fits"] and abs(planned["peak_bytes"] / measured - 1) < 0.25
+
+
+def test_the_readme_shows_what_lmppo_plan_prints_for_the_1b_example(tmp_path):
+    """The README's 1B-on-one-GPU figures come from the plan of the shipped config (no weights needed)."""
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [sys.executable, str(root / "benchmarks/make_llama_1b.py"), str(tmp_path / "llama"), "--config-only"],
+        check=True,
+        capture_output=True,
+    )
+    cfg = load_config(root / "examples/llama_1b/ppo.yaml", [f"models.policy.path={tmp_path / 'llama'}"])
+    plan = memory_plan(cfg, available=80 * 2**30, world_size=1)
+    readme = (root / "README.md").read_text()
+    assert plan.device == "cuda" and plan.precision == "bf16"
+    assert f"peak per rank: {size(plan.peak)} = models {size(plan.static)}" in readme
+    assert f"update (peak)      {size(plan.phases['update'])}" in readme
