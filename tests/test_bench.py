@@ -112,11 +112,12 @@ def test_bench_memory_runs_every_mode(tmp_path):
 
 @pytest.mark.slow
 def test_bench_gpu_runs_on_cpu_too(tmp_path):
-    """The GPU benchmark's code path, at its smallest size on CPU (CI has no GPU)."""
+    """The GPU benchmark's code path, at its smallest size on CPU (CI has no GPU): a real SmolLM2 run in a
+    fresh process, whose measured peak RSS the memory plan must be within 25 % of."""
     args = ["--device", "cpu", "--models", "smollm2", "--precisions", "fp32", "--steps", "1"]
     report = run_bench(
         BENCH.parent / "bench_gpu.py", *args, "--rows", "2", "--tokens", "4", "--out", str(tmp_path)
     )
     result = report["results"]["smollm2 fp32"]
     assert "error" not in result, result
-    assert result["step_s"] > 0 and result["peak_mb"] > 0 and result["plan_mb"] > 0
+    assert result["step_s"] > 0 and result["peak_mb"] > 0 and abs(result["plan_error"]) < 0.25
