@@ -73,13 +73,13 @@ def fixed_global_rollout(tmp_path):
     return torch.load(tmp_path / "rollout.pt", weights_only=False)
 
 
-def ppo_step(rank: int, world: int, rollout) -> dict:
+def ppo_step(rank: int, world: int, rollout, overrides=()) -> dict:
     """One PPO step on this rank's contiguous shard of ``rollout``; returns what the test compares."""
     group = dist.group.WORLD if world > 1 else None
     rows = BATCH // world
     shard = rollout.select(slice(rank * rows, (rank + 1) * rows))
     trainer = toy_trainer(
-        *STEP_OVERRIDES, generator=FixedRollouts(shard), group=group, rank=rank, world_size=world
+        *STEP_OVERRIDES, *overrides, generator=FixedRollouts(shard), group=group, rank=rank, world_size=world
     )
     trainer.generator.rollout.extras.clear()
     collected = {}
@@ -100,24 +100,29 @@ def ppo_step(rank: int, world: int, rollout) -> dict:
     }
 
 
-def _rank_worker(rank: int, world: int, port: int, rollout, results) -> None:
+def _rank_worker(rank: int, world: int, port: int, rollout, results, overrides=()) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        results[rank] = ppo_step(rank, world, rollout)
+        results[rank] = ppo_step(rank, world, rollout, overrides)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.distributed
-def test_two_ranks_take_the_same_step_as_one_process(tmp_path):
+@pytest.mark.parametrize(
+    "overrides",
+    [(), ("ppo.micro_batch_size=null", "ppo.micro_batch_tokens=40")],
+    ids=["rows", "token-budget-balanced"],  # the second moves rows between ranks to even out their tokens
+)
+def test_two_ranks_take_the_same_step_as_one_process(tmp_path, overrides):
     rollout = fixed_global_rollout(tmp_path)
-    alone = ppo_step(0, 1, rollout)
+    alone = ppo_step(0, 1, rollout, overrides)
     with mp.Manager() as manager:
         results = manager.dict()
-        port = 29500 + os.getpid() % 1000
-        mp.spawn(_rank_worker, args=(2, port, rollout, results), nprocs=2, join=True)
+        port = 29500 + (os.getpid() + 7 * len(overrides)) % 1000  # a fresh port per case
+        mp.spawn(_rank_worker, args=(2, port, rollout, results, overrides), nprocs=2, join=True)
         ranks = [results[0], results[1]]
 
     # Whitened advantages: global mean and std over both ranks' response tokens, no padding.

@@ -16,11 +16,14 @@ from lmppo.models import ValueModel, apply_lora, trainable_parameters
 from lmppo.rollout import (
     HFGenerator,
     Rollout,
+    balanced_assignment,
+    concat_rollouts,
     policy_logits_and_values,
     response_logits,
     response_mask_from_ids,
     sequence_logprobs,
     token_budget_groups,
+    trim_padding,
     value_predictions,
 )
 
@@ -369,6 +372,33 @@ def test_stored_passes_within_a_token_budget_equal_one_pass(policy_tokenizer, po
         torch.testing.assert_close(logp[mask], whole_logp[mask], atol=1e-5, rtol=0)
         torch.testing.assert_close(values[mask], whole_values[mask], atol=1e-5, rtol=0)
         torch.testing.assert_close(bootstrap, whole_bootstrap, atol=1e-5, rtol=0)
+
+
+def test_balanced_assignment_evens_out_the_ranks_tokens():
+    tokens = [90, 10, 10, 10, 40, 40, 10, 30]
+    two = balanced_assignment(tokens, 2)
+    assert sorted(r for rows in two for r in rows) == list(range(8))
+    loads = [sum(tokens[r] for r in rows) for rows in two]
+    assert max(loads) - min(loads) <= max(tokens) and loads == [120, 120]
+    assert all(balanced_assignment([5, 1], 2))  # every rank gets a row
+
+
+def test_concat_rollouts_pads_each_part_and_keeps_every_real_token(policy_tokenizer, policy_model):
+    rollout = generate(policy_model, policy_tokenizer, prompts=PROMPTS * 2, max_new_tokens=8, seed=1)
+    rollout.extras["values"] = torch.randn(rollout.response_ids.shape)
+    parts = [trim_padding(rollout.select(slice(0, 3))), trim_padding(rollout.select(slice(3, None)))]
+    whole = concat_rollouts(parts)
+    assert whole.prompts == rollout.prompts and whole.response_texts == rollout.response_texts
+    mask = rollout.response_mask.bool()
+    for name in ("response_ids", "logp_old"):
+        assert torch.equal(getattr(whole, name)[mask], getattr(rollout, name)[mask])
+    assert torch.equal(whole.extras["values"][mask], rollout.extras["values"][mask])
+    real = rollout.query_mask.bool()
+    width = whole.query_ids.shape[1]
+    assert torch.equal(
+        whole.query_ids[whole.query_mask.bool()], rollout.query_ids[:, -width:][real[:, -width:]]
+    )
+    assert torch.equal(whole.query_mask.sum(1), rollout.query_mask.sum(1))
 
 
 def test_token_budget_groups_respect_the_budget_and_cover_every_row():

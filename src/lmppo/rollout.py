@@ -327,6 +327,45 @@ def _budget_groups(rollout: Rollout, max_tokens: int) -> list[list[int]]:
     )
 
 
+def balanced_assignment(row_tokens: Sequence[int], world_size: int) -> list[list[int]]:
+    """Rows split over ``world_size`` ranks so that each gets a similar number of tokens: longest row
+    first, each to the least loaded rank (ties to the lower rank). Every rank gets at least one row."""
+    loads, assignment = [0] * world_size, [[] for _ in range(world_size)]
+    order = sorted(range(len(row_tokens)), key=lambda i: (-row_tokens[i], i))
+    for i, row in enumerate(order):
+        rank = i if i < world_size else min(range(world_size), key=lambda r: (loads[r], r))
+        assignment[rank].append(row)
+        loads[rank] += row_tokens[row]
+    return [sorted(rows) for rows in assignment]
+
+
+def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
+    """One rollout of every part's rows: queries left-padded and responses right-padded to the widest
+    (padding is masked out, and a later :func:`trim_padding` drops it again)."""
+    queries = max(part.query_ids.shape[1] for part in parts)
+    responses = max(part.response_ids.shape[1] for part in parts)
+
+    def left(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (queries - t.shape[1], 0))
+
+    def right(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, responses - t.shape[1])) if t.dim() == 2 else t
+
+    first = parts[0]
+    return dataclasses.replace(
+        first,
+        query_ids=torch.cat([left(p.query_ids) for p in parts]),
+        query_mask=torch.cat([left(p.query_mask) for p in parts]),
+        **{
+            name: torch.cat([right(getattr(p, name)) for p in parts])
+            for name in ("response_ids", "response_mask", "terminated", "logp_old")
+        },
+        prompts=[prompt for p in parts for prompt in p.prompts],
+        response_texts=[text for p in parts for text in p.response_texts],
+        extras={name: torch.cat([right(p.extras[name]) for p in parts]) for name in first.extras},
+    )
+
+
 def stored_pass_batches(
     rollout: Rollout, rows: int | None = None, tokens: int | None = None
 ) -> Iterator[tuple[torch.Tensor, Rollout]]:

@@ -37,6 +37,8 @@ from lmppo.rollout import (
     Generator,
     PolicyAndValue,
     Rollout,
+    balanced_assignment,
+    concat_rollouts,
     length_sorted_micro_batches,
     sequence_logprobs,
     token_budget_micro_batches,
@@ -390,7 +392,8 @@ class PPOTrainer:
         """
         ppo = self.cfg.ppo
         global_tokens = all_sum(minibatch.response_mask.sum(), self.group).clamp(min=1.0)
-        if ppo.micro_batch_tokens:  # a budget per forward on this rank
+        if ppo.micro_batch_tokens:  # a budget per forward, after evening out the ranks' token counts
+            minibatch = self._balanced_over_ranks(minibatch)
             micro_batches = list(token_budget_micro_batches(minibatch, ppo.micro_batch_tokens))
         else:
             micro_size = ppo.micro_batch_size // self.world_size if ppo.micro_batch_size else len(minibatch)
@@ -424,6 +427,22 @@ class PPOTrainer:
         sums["health/nonfinite_updates"] = 0.0 if finite else 1.0  # never apply a NaN/inf update
         sums["policy/ratio_max"] = ratio_max
         return sums
+
+    def _balanced_over_ranks(self, minibatch: Rollout) -> Rollout:
+        """This rank's share of all ranks' minibatch rows, split so that every rank forwards a similar
+        number of tokens (the slowest rank sets the pace of each synchronised backward). The loss is a
+        global token mean, so which rank computes a row changes no result."""
+        if self.group is None:
+            return minibatch
+        every = concat_rollouts(
+            [
+                part.to(minibatch.response_ids.device)
+                for part in gather_objects(minibatch.to("cpu"), self.group)
+            ]
+        )
+        row_tokens = (every.query_mask.sum(1) + every.response_mask.sum(1)).long().tolist()
+        mine = balanced_assignment(row_tokens, self.world_size)[self.rank]
+        return every.select(torch.tensor(mine))
 
     def _no_grad_sync(self):
         """Skip DDP's gradient all-reduce for this backward (gradients accumulate locally)."""
