@@ -121,6 +121,7 @@ class MemoryPlan:
     precision: str
     device: str
     world_size: int
+    prompt_tokens: int  # the longest rendered prompt the phases are sized for
     models: list[ModelRow]
     phases: dict[str, int]  # phase -> bytes; they follow one another, so the largest counts
     runtime: int  # the process before any model: interpreter, torch, CUDA context
@@ -381,15 +382,22 @@ def available_memory(device: str) -> int | None:
 
 
 def memory_plan(
-    cfg: Config, *, world_size: int | None = None, available: int | None = None, device: str | None = None
+    cfg: Config,
+    *,
+    world_size: int | None = None,
+    available: int | None = None,
+    device: str | None = None,
+    prompt_tokens: int | None = None,
 ) -> MemoryPlan:
     """The plan of ``cfg`` on ``world_size`` ranks (default: this launch's) against ``available`` bytes
-    (default: what this machine's device has free now)."""
+    (default: what this machine's device has free now); ``prompt_tokens`` defaults to the longest
+    rendered prompt of ``data.prompts``."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     device = device or planned_device(cfg)
     precision = resolve_precision(cfg.run.precision, torch.device(device))
     rows, shapes, conversion = model_rows(cfg, precision)
-    phases, details = phase_bytes(cfg, rows, shapes, precision, longest_prompt(cfg), world_size)
+    prompt_tokens = prompt_tokens or longest_prompt(cfg)
+    phases, details = phase_bytes(cfg, rows, shapes, precision, prompt_tokens, world_size)
     if device == "cpu" and conversion:  # on CUDA the files are read into host memory, not the GPU's
         phases["loading"], details["loading"] = conversion, "weight files read while converting to 16 bits"
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else process_rss()  # GPU memory is not the process's RSS
@@ -398,6 +406,7 @@ def memory_plan(
         precision=precision,
         device=device,
         world_size=world_size,
+        prompt_tokens=prompt_tokens,
         models=rows,
         phases=phases,
         runtime=runtime,

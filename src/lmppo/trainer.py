@@ -109,7 +109,6 @@ class PPOTrainer:
             model.eval()
         self.device = next(self.policy.parameters()).device
         self.precision = resolve_precision(cfg.run.precision, self.device)  # of every forward, see autocast
-        self.autocast = lambda: autocast(self.precision, self.device)
         self.stored_pass_batching = {  # rows or a token budget per forward of the passes without gradients
             "forward_batch_size": cfg.rollout.forward_batch_size,
             "forward_batch_tokens": cfg.rollout.forward_batch_tokens,
@@ -228,6 +227,10 @@ class PPOTrainer:
         if self.allreduce_counter is not None:
             metrics["perf/allreduce_mb"] = self.allreduce_counter.take() / 2**20
         return metrics
+
+    def autocast(self):
+        """The numerics of every forward pass: bf16 autocast under ``run.precision=bf16``, else nothing."""
+        return autocast(self.precision, self.device)
 
     def sync_generator(self, seconds: dict[str, float] | None = None) -> None:
         """Give an engine that samples from its own copy of the weights (vLLM) the current policy;
