@@ -16,9 +16,11 @@ from helpers import comparable, run_cli, toy_models, toy_trainer, write_config
 from safetensors.torch import load_file
 
 from lmppo.checkpoint import latest_checkpoint, load_checkpoint
-from lmppo.distributed import check_world_size, seed_everything
+from lmppo.config import LoraConfig
+from lmppo.distributed import check_world_size, full_tensor, seed_everything
 from lmppo.errors import LmppoError
 from lmppo.metrics import read_metrics, reduce_metrics
+from lmppo.models import ValueModel, make_reference, with_lora
 from lmppo.rollout import HFGenerator
 
 BATCH = 8
@@ -73,13 +75,32 @@ def fixed_global_rollout(tmp_path):
     return torch.load(tmp_path / "rollout.pt", weights_only=False)
 
 
-def ppo_step(rank: int, world: int, rollout, overrides=()) -> dict:
+def step_models(variant: str):
+    """The toy models, with LoRA on the policy (``lora``) or the critic on the policy's trunk (``shared``)."""
+    models = toy_models()
+    if variant == "lora":
+        models.policy = with_lora(models.policy, LoraConfig(enabled=True, r=4, alpha=8))
+        models.reference = make_reference(models.policy)
+    if variant == "shared":
+        models.value = ValueModel.shared_trunk(models.policy)
+    return models
+
+
+def ppo_step(rank: int, world: int, rollout, overrides=(), variant="full") -> dict:
     """One PPO step on this rank's contiguous shard of ``rollout``; returns what the test compares."""
     group = dist.group.WORLD if world > 1 else None
     rows = BATCH // world
     shard = rollout.select(slice(rank * rows, (rank + 1) * rows))
+    if world == 1:  # the reference: one process, no strategy
+        overrides = [o for o in overrides if not o.startswith("distributed.")]
     trainer = toy_trainer(
-        *STEP_OVERRIDES, *overrides, generator=FixedRollouts(shard), group=group, rank=rank, world_size=world
+        *STEP_OVERRIDES,
+        *overrides,
+        models=step_models(variant),
+        generator=FixedRollouts(shard),
+        group=group,
+        rank=rank,
+        world_size=world,
     )
     trainer.generator.rollout.extras.clear()
     collected = {}
@@ -95,34 +116,49 @@ def ppo_step(rank: int, world: int, rollout, overrides=()) -> dict:
         "advantages": collected["rollout"].extras["advantages"],
         "response_mask": collected["rollout"].response_mask,
         "metrics": metrics,
-        "policy": {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()},
-        "value_head": trainer.value_model.head.weight.detach().clone(),
+        # trained weights, whole (gathered from the shards under FSDP2)
+        "policy": {
+            k: full_tensor(p.detach()).clone() for k, p in trainer.policy.named_parameters() if p.requires_grad
+        },
+        "value_head": full_tensor(trainer.value_model.head.weight.detach()).clone(),
+        "trained_state_bytes": trainer.trained_state_bytes(),
     }
 
 
-def _rank_worker(rank: int, world: int, port: int, rollout, results, overrides=()) -> None:
+def _rank_worker(rank: int, world: int, port: int, rollout, results, overrides=(), variant="full") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        results[rank] = ppo_step(rank, world, rollout, overrides)
+        results[rank] = ppo_step(rank, world, rollout, overrides, variant)
     finally:
         dist.destroy_process_group()
 
 
+FSDP2 = "distributed.strategy=fsdp2"
+TOKEN_BUDGET = ("ppo.micro_batch_size=null", "ppo.micro_batch_tokens=40")
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "overrides",
-    [(), ("ppo.micro_batch_size=null", "ppo.micro_batch_tokens=40")],
-    ids=["rows", "token-budget-balanced"],  # the second moves rows between ranks to even out their tokens
+    ("overrides", "variant"),
+    [
+        ((), "full"),
+        (TOKEN_BUDGET, "full"),  # moves rows between ranks to even out their tokens
+        ((FSDP2,), "full"),
+        ((FSDP2, *TOKEN_BUDGET), "full"),  # unequal micro-batch counts: padded to the same number
+        ((FSDP2,), "lora"),
+        ((FSDP2,), "shared"),
+    ],
+    ids=["ddp", "ddp-token-budget", "fsdp2", "fsdp2-token-budget", "fsdp2-lora", "fsdp2-shared-trunk"],
 )
-def test_two_ranks_take_the_same_step_as_one_process(tmp_path, overrides):
+def test_two_ranks_take_the_same_step_as_one_process(tmp_path, overrides, variant):
     rollout = fixed_global_rollout(tmp_path)
-    alone = ppo_step(0, 1, rollout, overrides)
+    alone = ppo_step(0, 1, rollout, overrides, variant)
     with mp.Manager() as manager:
         results = manager.dict()
-        port = 29500 + (os.getpid() + 7 * len(overrides)) % 1000  # a fresh port per case
-        mp.spawn(_rank_worker, args=(2, port, rollout, results, overrides), nprocs=2, join=True)
+        port = 29500 + (os.getpid() + 7 * len(overrides) + 3 * len(variant)) % 1000  # a fresh port per case
+        mp.spawn(_rank_worker, args=(2, port, rollout, results, overrides, variant), nprocs=2, join=True)
         ranks = [results[0], results[1]]
 
     # Whitened advantages: global mean and std over both ranks' response tokens, no padding.
@@ -136,15 +172,21 @@ def test_two_ranks_take_the_same_step_as_one_process(tmp_path, overrides):
     for key in GLOBAL_METRICS:
         assert ranks[0]["metrics"][key] == ranks[1]["metrics"][key], key
         assert ranks[0]["metrics"][key] == pytest.approx(alone["metrics"][key], rel=1e-4, abs=1e-6), key
-    assert ranks[0]["metrics"]["perf/allreduce_mb"] > 0 and "perf/allreduce_mb" not in alone["metrics"]
-    # Updated weights: identical on both ranks (DDP synced the gradients), equal to one process's.
-    start = toy_models().policy.state_dict()
+    sharded = FSDP2 in overrides
+    comm = ("perf/allgather_mb", "perf/reduce_scatter_mb") if sharded else ("perf/allreduce_mb",)
+    for metric in comm:
+        assert ranks[0]["metrics"][metric] > 0 and metric not in alone["metrics"], metric
+    # Updated weights: identical on both ranks (gradients synced), equal to one process's.
+    start = {k: p.detach() for k, p in step_models(variant).policy.named_parameters()}
+    assert alone["policy"].keys() == ranks[0]["policy"].keys()
     for name, weight in alone["policy"].items():
         assert torch.equal(ranks[0]["policy"][name], ranks[1]["policy"][name]), name
-        moved = (weight - start[name]).abs().max().item()
-        assert moved > 0 or name.endswith("inv_freq"), f"{name} did not train"
+        assert (weight - start[name]).abs().max().item() > 0, f"{name} did not train"
         torch.testing.assert_close(ranks[0]["policy"][name], weight, atol=1e-4 * 1e-2, rtol=0, msg=name)
     torch.testing.assert_close(ranks[0]["value_head"], alone["value_head"], atol=1e-6, rtol=0)
+    # What training keeps (weights, gradients, Adam's moments): FSDP2 holds half of it on each of 2 ranks.
+    held = ranks[0]["trained_state_bytes"] / alone["trained_state_bytes"]
+    assert held == pytest.approx(0.5, abs=0.02) if sharded else held == 1.0
 
 
 def test_global_sizes_must_split_over_the_ranks():

@@ -40,6 +40,7 @@ class PPOModels:
     tokenizer: object
     reward: RewardFunction
     identities: dict[str, dict] = field(default_factory=dict)
+    reward_model: nn.Module | None = None  # the frozen network behind ``reward``, if learned
 
 
 @dataclass
@@ -166,7 +167,7 @@ def load_models(cfg: Config, device: torch.device) -> PPOModels:
         ).to_dict(),
     }
     identities["value"]["init_from"] = "policy" if value.shared_trunk else m.value.init_from
-    return PPOModels(policy, reference, value, tokenizer, reward.reward, identities)
+    return PPOModels(policy, reference, value, tokenizer, reward.reward, identities, reward.model)
 
 
 def generator_options(cfg: Config) -> dict:

@@ -47,6 +47,8 @@ RESUMABLE_KEYS = (
     "run.eval_every",
     "run.eval_batch_size",
     "run.threads",
+    "distributed.timeout_s",
+    "distributed.shard_frozen",  # where frozen weights live, not what they compute
     "logging",
     "guards",
 )

@@ -266,6 +266,25 @@ class RunConfig(Section):
         return self
 
 
+class DistributedConfig(Section):
+    """How the models are spread over the ranks ``torchrun`` starts (one process ignores this section)."""
+
+    strategy: Literal["ddp", "fsdp2"] = Field(
+        "ddp",
+        description="ddp = every rank holds full copies and all-reduces gradients; fsdp2 = torch's fully_shard: "
+        "the trained models (and the frozen ones, see shard_frozen) are split over the ranks, per decoder layer",
+    )
+    shard_frozen: bool = Field(
+        True, description="under fsdp2, also shard the reference and the reward model (else replicated)"
+    )
+    timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="seconds a collective may wait for the other ranks before this rank gives up (a lost "
+        "rank); size it above the slowest step's longest wait: a checkpoint save, a long generation",
+    )
+
+
 class LoggingConfig(Section):
     sinks: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl"]
     quiet: bool = Field(False, description="plain log lines instead of a live progress display")
@@ -281,6 +300,7 @@ class Config(Section):
     kl: KLConfig = KLConfig()
     guards: GuardsConfig = GuardsConfig()
     run: RunConfig = RunConfig()
+    distributed: DistributedConfig = DistributedConfig()
     logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")

@@ -1,5 +1,6 @@
 """torch.distributed plumbing for ``torchrun``: init from its environment, seeding (per rank), DDP
-wrapping, and the few collectives the trainer needs.
+wrapping, FSDP2 sharding (units, gathering a model whole, DTensor <-> full tensors), and the few
+collectives the trainer needs.
 
 A single process (no ``WORLD_SIZE`` in the environment) needs no launcher and no process group: every
 helper here takes ``group=None`` to mean "alone" and then does no communication at all.
@@ -8,6 +9,7 @@ helper here takes ``group=None`` to mean "alone" and then does no communication 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import random
 from collections.abc import Iterator
@@ -19,6 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# FSDP2's default collectives, subclassed only to count their bytes (set_custom_all_gather's protocol)
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lmppo.errors import LmppoError
@@ -37,11 +45,12 @@ class DistInfo:
 
 
 @contextlib.contextmanager
-def distributed_session(device: str) -> Iterator[DistInfo]:
+def distributed_session(device: str, timeout_s: float = 600.0) -> Iterator[DistInfo]:
     """Join the process group torchrun describes (gloo on CPU, nccl on GPU), or run alone.
 
-    A group this call creates is destroyed on exit, also after an error; one that already exists (a
-    test's, a caller's) is used and left alone.
+    ``timeout_s`` bounds how long a collective waits for the other ranks: a lost rank then ends this
+    one with an error instead of a hang. A group this call creates is destroyed on exit, also after an
+    error; one that already exists (a test's, a caller's) is used and left alone.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
@@ -52,7 +61,9 @@ def distributed_session(device: str) -> Iterator[DistInfo]:
         torch.cuda.set_device(local_rank)  # before the group, so nccl binds this rank to its own GPU
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+        )
     try:
         yield DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.group.WORLD)
     finally:
@@ -129,36 +140,148 @@ def barrier(group: dist.ProcessGroup | None) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-class AllReduceCounter:
-    """State of :func:`_counting_allreduce`: bytes of gradient buckets all-reduced since the last read."""
+class CommCounter:
+    """Bytes this rank's collectives moved since the last :meth:`take`, by metric name (MiB on take)."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.bytes = 0
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group  # the group DDP's hook reduces over
+        self.bytes: dict[str, int] = {}
 
-    def take(self) -> int:
-        taken, self.bytes = self.bytes, 0
-        return taken
+    def add(self, metric: str, tensor: torch.Tensor) -> None:
+        self.bytes[metric] = self.bytes.get(metric, 0) + tensor.numel() * tensor.element_size()
+
+    def take(self) -> dict[str, float]:
+        taken, self.bytes = self.bytes, {}
+        return {metric: count / 2**20 for metric, count in taken.items()}
 
 
-def _counting_allreduce(state: AllReduceCounter, bucket):  # no annotations: DDP checks them at runtime
+def _counting_allreduce(state: CommCounter, bucket):  # no annotations: DDP checks them at runtime
     """DDP's default hook (sum, then divide by the world size), counting the bytes it sends.
 
     ``bucket``: a ``dist.GradBucket``; returns the future of the averaged bucket.
     """
-    state.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+    state.add("perf/allreduce_mb", bucket.buffer())
     return default_hooks.allreduce_hook(state.group, bucket)
 
 
-def data_parallel(
-    module: nn.Module, group: dist.ProcessGroup
-) -> tuple[DistributedDataParallel, AllReduceCounter]:
+def data_parallel(module: nn.Module, group: dist.ProcessGroup) -> tuple[DistributedDataParallel, CommCounter]:
     """``module`` under DDP (rank 0's weights broadcast to every rank now), with a byte counter.
 
     No ``device_ids``: inputs are already on the module's device. Buffers (rotary tables) are equal on
     every rank and never trained, so they are not re-broadcast before each forward.
     """
     ddp = DistributedDataParallel(module, process_group=group, forward_sync_buffers=False)
-    counter = AllReduceCounter(group)
+    counter = CommCounter(group)
     ddp.register_comm_hook(counter, _counting_allreduce)
     return ddp, counter
+
+
+# --------------------------------------------------------------------------------------------------
+# Fully sharded data parallel (FSDP2, torch's fully_shard)
+# --------------------------------------------------------------------------------------------------
+
+
+class _CountingAllGather(DefaultAllGather):
+    """FSDP2's own all-gather, counting the bytes each rank receives (the whole unit, in compute dtype)."""
+
+    def __init__(self, counter: CommCounter) -> None:
+        self.counter = counter
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.counter.add("perf/allgather_mb", output_tensor)
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _CountingReduceScatter(DefaultReduceScatter):
+    """FSDP2's own reduce-scatter of gradients, counting the bytes each rank sends."""
+
+    def __init__(self, counter: CommCounter) -> None:
+        self.counter = counter
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.counter.add("perf/reduce_scatter_mb", input_tensor)
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def device_mesh(group: dist.ProcessGroup) -> DeviceMesh:
+    """The 1-D mesh of ``group``'s ranks that FSDP2 shards over."""
+    return DeviceMesh.from_group(group, collective_device(group).type)
+
+
+def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """Weights all-gathered and computed in ``compute_dtype`` (None: their own), gradients reduced in
+    fp32 into fp32 shards: the sharded masters and Adam's state never leave fp32."""
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def fully_shard_model(
+    module: nn.Module,
+    layers: list[nn.Module],
+    mesh: DeviceMesh,
+    counter: CommCounter,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    fp32_units: tuple[nn.Module, ...] = (),
+    root: bool = True,
+) -> None:
+    """Shard ``module`` in place: one FSDP2 unit per decoder layer in ``layers``, one per module in
+    ``fp32_units`` (computed in fp32 whatever ``compute_dtype``: a critic's head), and the rest as the
+    root unit (embeddings, final norm, LM head: tied weights stay in one unit). A unit's weights are
+    all-gathered just before its forward and freed after it; the root keeps its weights between the
+    forward and the backward, which needs them at once. ``root=False`` shards the listed units only
+    (a head on a trunk another model already shards)."""
+    units = [(layer, compute_dtype, True) for layer in layers]
+    units += [(unit, torch.float32, True) for unit in fp32_units]
+    if root:
+        units.append((module, compute_dtype, False))
+    for unit, dtype, reshard in units:
+        fully_shard(unit, mesh=mesh, mp_policy=mixed_precision(dtype), reshard_after_forward=reshard)
+        unit.set_custom_all_gather(_CountingAllGather(counter))
+        unit.set_custom_reduce_scatter(_CountingReduceScatter(counter))
+        unit._lmppo_reshard_after_forward = reshard  # what gathered() restores
+
+
+@contextlib.contextmanager
+def gathered(*modules: nn.Module | None) -> Iterator[None]:
+    """The FSDP2 units inside ``modules`` held whole on every rank for the block; a no-op for plain
+    modules (and None: no reward model). One all-gather per unit on entry and none inside, so the block may run a different number
+    of forwards on each rank (generation stops when a rank's responses end); resharded on exit.
+
+    Costs the unsharded weights (in compute dtype) of ``modules`` at once: the rollout and the stored
+    passes gather one model at a time. The update instead all-gathers one layer at a time.
+    """
+    units = {
+        id(m): m for module in modules if module is not None for m in module.modules() if isinstance(m, FSDPModule)
+    }
+    # FSDP2 reuses its all-gather buffers in the update: they must not be inference tensors
+    with torch.inference_mode(False), torch.no_grad():
+        for unit in units.values():
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units.values():
+            unit.reshard()
+            unit.set_reshard_after_forward(unit._lmppo_reshard_after_forward, recurse=False)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded DTensor (an all-gather: every rank must call it), else ``tensor``."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out as the DTensor ``like`` (this rank's shard, cut locally, no communication);
+    ``full`` itself when ``like`` is a plain tensor."""
+    if not isinstance(like, DTensor):
+        return full
+    full = full.to(device=like.device, dtype=like.dtype)
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds of ``tensors`` (its shards of DTensors; all of a plain tensor)."""
+    return sum(
+        (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors
+    )

@@ -294,11 +294,14 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def decoder_layers(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of ``module`` (the units of activation checkpointing and of FSDP2)."""
+    return [m for m in module.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
 def checkpointed_layers(module: nn.Module) -> list[nn.Module]:
     """The layers of ``module`` set up for activation checkpointing."""
-    return [
-        m for m in module.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
-    ]
+    return [m for m in decoder_layers(module) if m.gradient_checkpointing]
 
 
 @contextlib.contextmanager
@@ -502,6 +505,10 @@ class LoraReference:
     @property
     def training(self) -> bool:
         return self.policy.training
+
+    def modules(self):
+        """The policy's modules: what a pass of the reference runs (and FSDP2 gathers for it)."""
+        return self.policy.modules()
 
     def train(self, mode: bool = True) -> LoraReference:
         self.policy.train(mode)

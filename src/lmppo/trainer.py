@@ -23,16 +23,23 @@ from lmppo.checkpoint import capture_rng_state, flatten_state, restore_rng_state
 from lmppo.config import Config
 from lmppo.data import Prompt, PromptStream
 from lmppo.distributed import (
+    CommCounter,
     all_sum,
     check_world_size,
     data_parallel,
+    device_mesh,
+    full_tensor,
+    fully_shard_model,
     gather_objects,
+    gathered,
+    local_bytes,
     rank_seed,
     seed_everything,
+    shard_like,
 )
 from lmppo.errors import LmppoError
 from lmppo.metrics import timed
-from lmppo.models import autocast, resolve_precision, trainable_parameters
+from lmppo.models import LoraReference, autocast, decoder_layers, resolve_precision, trainable_parameters
 from lmppo.rollout import (
     Generator,
     PolicyAndValue,
@@ -113,12 +120,22 @@ class PPOTrainer:
             "forward_batch_size": cfg.rollout.forward_batch_size,
             "forward_batch_tokens": cfg.rollout.forward_batch_tokens,
         }
-        # The update's forward. With several ranks it runs under DDP, which syncs gradients during the
-        # backward; generation and the stored passes use the plain modules (no gradients to sync).
+        # The update's forward. With several ranks under DDP it syncs gradients during the backward, and
+        # generation and the stored passes use the plain modules (no gradients to sync). Under FSDP2 the
+        # models themselves are sharded (:meth:`_shard`) and every pass outside the update gathers them.
         self.train_module: nn.Module = PolicyAndValue(self.policy, self.value_model)
-        self.allreduce_counter = None
-        if group is not None:
-            self.train_module, self.allreduce_counter = data_parallel(self.train_module, group)
+        self.sharded = group is not None and cfg.distributed.strategy == "fsdp2"
+        self.comm_counter: CommCounter | None = None
+        if self.sharded:
+            self.comm_counter = self._shard(group)
+        elif group is not None:
+            self.train_module, self.comm_counter = data_parallel(self.train_module, group)
+        elif cfg.distributed.strategy == "fsdp2":
+            raise LmppoError(
+                "distributed.strategy=fsdp2 shards the models over the ranks torchrun starts, and this is one "
+                "process; start it with `torchrun --nproc-per-node N -m lmppo ppo ...`, or set "
+                "distributed.strategy=ddp"
+            )
         if cfg.rollout.engine == "vllm" and world_size > 1:
             raise LmppoError(
                 "rollout.engine=vllm runs with one process; use rollout.engine=hf under torchrun"
@@ -154,6 +171,38 @@ class PPOTrainer:
     # set-up
     # ----------------------------------------------------------------------------------------------
 
+    def _shard(self, group: torch.distributed.ProcessGroup) -> CommCounter:
+        """FSDP2: split every model over the ranks, in place, one unit per decoder layer (see
+        :func:`lmppo.distributed.fully_shard_model`). Trained weights stay fp32 shards and compute in
+        the run's precision; the critic's head computes in fp32; a shared trunk is sharded once, with the
+        policy; the frozen reference and reward model keep their dtype (``distributed.shard_frozen``)."""
+        counter, mesh = CommCounter(), device_mesh(group)
+        compute_dtype = torch.bfloat16 if self.precision == "bf16" else None
+        value = self.value_model
+        fully_shard_model(self.policy, decoder_layers(self.policy), mesh, counter, compute_dtype=compute_dtype)
+        fully_shard_model(
+            value,
+            [] if value.shared_trunk else decoder_layers(value),
+            mesh,
+            counter,
+            compute_dtype=compute_dtype,
+            fp32_units=(value.head,),
+            root=not value.shared_trunk,
+        )
+        if value.shared_trunk:  # FSDP2 sets up on the first forward, which must enter through the root:
+            with torch.no_grad():  # one token through the policy, before any value pass enters at the trunk
+                self.policy(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device))
+            self.policy.reshard()
+        if self.cfg.distributed.shard_frozen:
+            for frozen in (self.reference, self.models.reward_model):
+                if frozen is not None and not isinstance(frozen, LoraReference):  # LoRA: the policy's view
+                    fully_shard_model(frozen, decoder_layers(frozen), mesh, counter)
+        return counter
+
+    def _value_modules(self) -> tuple[nn.Module, ...]:
+        """What a value pass runs: the critic, and with a shared trunk the policy that holds it."""
+        return (self.value_model, self.policy) if self.value_model.shared_trunk else (self.value_model,)
+
     def _value_only_parameters(self) -> list[nn.Parameter]:
         """Critic parameters not already owned by the policy (with a shared trunk: the head only)."""
         policy_ids = {id(p) for p in self.policy.parameters()}
@@ -185,7 +234,7 @@ class PPOTrainer:
         seconds: dict[str, float] = {}
         with timed(seconds, "perf/step_s"):
             # 1. Rollout: sample responses with the current policy; refuse data older than allowed.
-            with timed(seconds, "perf/rollout_s"), self.autocast():
+            with timed(seconds, "perf/rollout_s"), self.autocast(), gathered(self.policy):
                 rollout = self.collect_rollout()
             lag = self.policy_version - rollout.policy_version
 
@@ -224,9 +273,18 @@ class PPOTrainer:
         }
         if self.device.type == "cuda":
             metrics["perf/peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
-        if self.allreduce_counter is not None:
-            metrics["perf/allreduce_mb"] = self.allreduce_counter.take() / 2**20
+        if self.comm_counter is not None:
+            metrics.update(self.comm_counter.take())
+        metrics["perf/trained_state_mb"] = self.trained_state_bytes() / 2**20
         return metrics
+
+    def trained_state_bytes(self) -> int:
+        """Bytes this rank holds of what training keeps: trained parameters, their gradients and the
+        optimizer's state (under FSDP2 its shards, about 1/N of DDP's full copies)."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        states = [v for state in self.optimizer.state.values() for v in state.values() if v.dim() > 0]
+        return local_bytes(params) + local_bytes(grads) + local_bytes(states)
 
     def autocast(self):
         """The numerics of every forward pass: bf16 autocast under ``run.precision=bf16``, else nothing."""
@@ -266,12 +324,12 @@ class PPOTrainer:
         mask = rollout.response_mask
         stored_pass = self.stored_pass_batching
         seconds: dict[str, float] = {}
-        with timed(seconds, "perf/reward_s"), self.autocast():
+        with timed(seconds, "perf/reward_s"), self.autocast(), gathered(self.models.reward_model):
             rm_score_raw = self.models.reward(rollout.prompts, rollout.response_texts).float().to(mask.device)
         rm_score, transform_stats = self.score_transform(rm_score_raw, rollout.terminated, group)
-        with timed(seconds, "perf/reference_s"), self.autocast():
+        with timed(seconds, "perf/reference_s"), self.autocast(), gathered(self.reference):
             logp_ref = sequence_logprobs(self.reference, rollout, **stored_pass)
-        with timed(seconds, "perf/values_s"), self.autocast():
+        with timed(seconds, "perf/values_s"), self.autocast(), gathered(*self._value_modules()):
             values, bootstrap_value = value_predictions(self.value_model, rollout, **stored_pass)
         tis_stats = self._truncated_importance_sampling(rollout) if cfg.ppo.tis_cap else {}
 
@@ -337,7 +395,7 @@ class PPOTrainer:
         each token by ``min(p_trainer / p_engine, cap)`` (``extras["tis_weights"]``). The engine's
         log-probs move to ``extras["logp_engine"]``."""
         mask = rollout.response_mask
-        with self.autocast():
+        with self.autocast(), gathered(self.policy):
             logp_trainer = sequence_logprobs(self.policy, rollout, **self.stored_pass_batching)
         weights = core.truncated_importance_weights(
             logp_trainer, rollout.logp_old, mask, self.cfg.ppo.tis_cap
@@ -395,12 +453,7 @@ class PPOTrainer:
         """
         ppo = self.cfg.ppo
         global_tokens = all_sum(minibatch.response_mask.sum(), self.group).clamp(min=1.0)
-        if ppo.micro_batch_tokens:  # a budget per forward, after evening out the ranks' token counts
-            minibatch = self._balanced_over_ranks(minibatch)
-            micro_batches = list(token_budget_micro_batches(minibatch, ppo.micro_batch_tokens))
-        else:
-            micro_size = ppo.micro_batch_size // self.world_size if ppo.micro_batch_size else len(minibatch)
-            micro_batches = list(length_sorted_micro_batches(minibatch, max(micro_size, 1)))
+        micro_batches, weights = self._micro_batches(minibatch)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         ratio_max = 0.0
@@ -410,9 +463,9 @@ class PPOTrainer:
                 ptx_loss = self.ptx_loss()
                 (ppo.ptx_coef * ptx_loss).backward()
             sums["ptx/loss"] = ptx_loss.item() / self.world_size  # a mean over ranks after the sum below
-        for i, micro in enumerate(micro_batches):
+        for i, (micro, weight) in enumerate(zip(micro_batches, weights, strict=True)):
             stats, loss = self.micro_batch_loss(micro)
-            share = micro.response_mask.sum() / global_tokens  # micro token mean -> global token mean
+            share = weight * micro.response_mask.sum() / global_tokens  # micro token mean -> global token mean
             with self._no_grad_sync() if i < len(micro_batches) - 1 else nullcontext():
                 (loss * share * self.world_size).backward()
             ratio_max = max(ratio_max, stats.pop("policy/ratio_max"))
@@ -431,6 +484,26 @@ class PPOTrainer:
         sums["policy/ratio_max"] = ratio_max
         return sums
 
+    def _micro_batches(self, minibatch: Rollout) -> tuple[list[Rollout], list[float]]:
+        """This rank's micro-batches of ``minibatch`` and their loss weights (1, or 0 for padding).
+
+        Under FSDP2 each forward and backward is a collective, so every rank runs as many as the rank
+        with the most: the others repeat one row whose loss counts 0 (only a token budget can differ).
+        """
+        ppo = self.cfg.ppo
+        if ppo.micro_batch_tokens:  # a budget per forward, after evening out the ranks' token counts
+            minibatch = self._balanced_over_ranks(minibatch)
+            micro_batches = list(token_budget_micro_batches(minibatch, ppo.micro_batch_tokens))
+        else:
+            micro_size = ppo.micro_batch_size // self.world_size if ppo.micro_batch_size else len(minibatch)
+            micro_batches = list(length_sorted_micro_batches(minibatch, max(micro_size, 1)))
+        weights = [1.0] * len(micro_batches)
+        if self.sharded:
+            missing = max(gather_objects(len(micro_batches), self.group)) - len(micro_batches)
+            micro_batches += [micro_batches[-1].select(torch.tensor([0]))] * missing
+            weights += [0.0] * missing
+        return micro_batches, weights
+
     def _balanced_over_ranks(self, minibatch: Rollout) -> Rollout:
         """This rank's share of all ranks' minibatch rows, split so that every rank forwards a similar
         number of tokens (the slowest rank sets the pace of each synchronised backward). The loss is a
@@ -448,8 +521,9 @@ class PPOTrainer:
         return every.select(torch.tensor(mine))
 
     def _no_grad_sync(self):
-        """Skip DDP's gradient all-reduce for this backward (gradients accumulate locally)."""
-        return self.train_module.no_sync() if self.group is not None else nullcontext()
+        """Skip DDP's gradient all-reduce for this backward (gradients accumulate locally). FSDP2
+        reduce-scatters every backward instead: its gradients then accumulate as 1/N shards."""
+        return self.train_module.no_sync() if self.group is not None and not self.sharded else nullcontext()
 
     def micro_batch_loss(self, micro: Rollout) -> tuple[dict[str, float], torch.Tensor]:
         ppo = self.cfg.ppo
@@ -508,17 +582,17 @@ class PPOTrainer:
 
         ``clip_grad_norm_`` in two halves: the scaling pass runs only when it would change a gradient
         (its factor is clamped at 1), which saves a read and write of every gradient on most steps.
+        Under FSDP2 the gradients are shards: their norm is reduced over the ranks (``full_tensor``).
         """
         max_norm = self.cfg.ppo.max_grad_norm or float("inf")
         norms = []
         for group in self.optimizer.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
-            if (
-                max_norm / (norm + 1e-6) < 1.0
-            ):  # clip_grad_norm_'s factor; NaN / inf norms skip the step anyway
+            norm_value = float(full_tensor(norm))
+            if max_norm / (norm_value + 1e-6) < 1.0:  # clip_grad_norm_'s factor; NaN / inf skip the step anyway
                 torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-            norms.append(float(norm))
+            norms.append(norm_value)
         return norms[0], norms[1], all(math.isfinite(n) for n in norms)
 
     # ----------------------------------------------------------------------------------------------
@@ -549,15 +623,22 @@ class PPOTrainer:
         }
 
     def state_payload(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-        """``(tensors, state)`` for :func:`lmppo.checkpoint.save_checkpoint` (no pickle anywhere)."""
+        """``(tensors, state)`` for :func:`lmppo.checkpoint.save_checkpoint` (no pickle anywhere).
+
+        Under FSDP2 every sharded weight and optimizer state is gathered whole (one all-gather per
+        tensor, in the same order on every rank), so the checkpoint is the same as one process's and
+        resumes on any number of ranks and either strategy.
+        """
         tensors = {
             name: {
-                k: p.detach() for k, p in module.named_parameters() if p.requires_grad and id(p) not in skip
+                k: full_tensor(p.detach())
+                for k, p in module.named_parameters()
+                if p.requires_grad and id(p) not in skip
             }
             for name, (module, skip) in self._trained_modules().items()
         }
         optimizer_tensors, optimizer_skeleton = flatten_state(self.optimizer.state_dict())
-        tensors["optimizer"] = optimizer_tensors
+        tensors["optimizer"] = {k: full_tensor(v) for k, v in optimizer_tensors.items()}
         # Every rank's generators (each samples and shuffles its own stream); the rest of the state is
         # the same on every rank. A collective: every rank calls this, rank 0 writes.
         rng_json, rng_tensors = capture_rng_state()
@@ -600,6 +681,16 @@ class PPOTrainer:
         self.shuffle_generator.set_state(rng.pop("shuffle"))
         restore_rng_state(per_rank_json[self.rank], rng)
 
+    def _sharded_like_params(self, optimizer_state: dict) -> dict:
+        """A saved (whole) optimizer state with each parameter's moments cut like that parameter (FSDP2
+        shards; unchanged for plain parameters). Entries are indexed in param-group order."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for index, entry in optimizer_state["state"].items():
+            for key, value in entry.items():
+                if value.dim() > 0:  # not the step count
+                    entry[key] = shard_like(value, params[index])
+        return optimizer_state
+
     def load_state_payload(self, tensors: dict[str, dict[str, torch.Tensor]], state: dict) -> None:
         for name, (module, skip) in self._trained_modules().items():
             expected = {k: p for k, p in module.named_parameters() if p.requires_grad and id(p) not in skip}
@@ -610,8 +701,8 @@ class PPOTrainer:
                 )
             with torch.no_grad():
                 for key, param in expected.items():
-                    param.copy_(tensors[name][key])
-        self.optimizer.load_state_dict(unflatten_state(tensors["optimizer"], state["optimizer"]))
+                    param.copy_(shard_like(tensors[name][key], param))
+        self.optimizer.load_state_dict(self._sharded_like_params(unflatten_state(tensors["optimizer"], state["optimizer"])))
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.score_transform.load_state_dict(state["score_transform"])
