@@ -6,7 +6,9 @@ Nothing is downloaded. Models are 2-layer Llamas with hidden size 32, so a forwa
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -209,3 +211,21 @@ def run_cli(*args: str) -> int:
     finally:
         sys.argv = argv
     return 0
+
+
+_scored_batches = 0
+
+
+def count_good_until_rank1_dies(prompts: Sequence, responses: Sequence[str]) -> list[float]:
+    """:func:`count_good`, except that rank 1 SIGKILLs itself in the middle of its third step (scoring),
+    once: the file ``$LOST_RANK_MARKER`` is created first, and a run that finds it scores normally."""
+    global _scored_batches
+    _scored_batches += 1
+    marker = Path(os.environ.get("LOST_RANK_MARKER", "/nonexistent/marker"))
+    if os.environ.get("RANK") == "1" and _scored_batches == 3 and not marker.exists():
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return count_good(prompts, responses)
+
+
+LOSES_RANK1 = f"{Path(__file__).resolve()}:count_good_until_rank1_dies"

@@ -7,13 +7,15 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import comparable, run_cli, toy_models, toy_trainer, write_config
+from helpers import LOSES_RANK1, comparable, run_cli, toy_models, toy_trainer, write_config
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from lmppo.checkpoint import latest_checkpoint, load_checkpoint
 from lmppo.config import LoraConfig
@@ -118,7 +120,9 @@ def ppo_step(rank: int, world: int, rollout, overrides=(), variant="full") -> di
         "metrics": metrics,
         # trained weights, whole (gathered from the shards under FSDP2)
         "policy": {
-            k: full_tensor(p.detach()).clone() for k, p in trainer.policy.named_parameters() if p.requires_grad
+            k: full_tensor(p.detach()).clone()
+            for k, p in trainer.policy.named_parameters()
+            if p.requires_grad
         },
         "value_head": full_tensor(trainer.value_model.head.weight.detach()).clone(),
         "trained_state_bytes": trainer.trained_state_bytes(),
@@ -227,15 +231,23 @@ def torchrun(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_torchrun_two_ranks_log_once_checkpoint_every_rank_and_resume_exactly(run_files, capsys):
-    straight = write_config(run_files, run={"steps": 4, "output_dir": str(run_files.parent / "straight")})
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_torchrun_two_ranks_log_once_checkpoint_every_rank_and_resume_exactly(run_files, capsys, strategy):
+    straight = write_config(
+        run_files,
+        run={"steps": 4, "output_dir": str(run_files.parent / "straight")},
+        distributed={"strategy": strategy},
+    )
     done = torchrun(str(straight))
     assert done.returncode == 0, done.stderr[-4000:]
     a = run_files.parent / "straight"
     records = read_metrics(a)
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # rank 0 logs; rank 1 does not
-    assert all(r["perf/allreduce_mb"] > 0 and math.isfinite(r["policy/loss"]) for r in records)
-    assert (a / "final" / "config.json").is_file()
+    comm = "perf/reduce_scatter_mb" if strategy == "fsdp2" else "perf/allreduce_mb"
+    assert all(r[comm] > 0 and math.isfinite(r["policy/loss"]) for r in records)
+    final = AutoModelForCausalLM.from_pretrained(a / "final")  # plain transformers, whole weights
+    saved = load_checkpoint(latest_checkpoint(a)).tensors["policy"]
+    assert all(torch.equal(final.state_dict()[k], saved[k]) for k in saved)
     checkpoint = latest_checkpoint(a)
     assert json.loads((checkpoint / "manifest.json").read_text())["world_size"] == 2
     rng = load_file(checkpoint / "rng.safetensors")
@@ -254,14 +266,71 @@ def test_torchrun_two_ranks_log_once_checkpoint_every_rank_and_resume_exactly(ru
         ), group
 
     # One process cannot continue a 2-rank run's sampling streams: refused unless explicitly allowed.
+    # The checkpoint holds whole tensors under either strategy, so one process resumes an FSDP2 run too.
     shutil.copytree(b, run_files.parent / "alone")
-    assert run_cli("ppo", "--resume", str(run_files.parent / "alone"), "run.steps=5") == 2
+    alone = ("ppo", "--resume", str(run_files.parent / "alone"), "run.steps=5", "distributed.strategy=ddp")
+    assert run_cli(*alone) == 2
     assert "world_size" in capsys.readouterr().err
     with pytest.warns(UserWarning, match="written by 2 ranks and this run has 1"):
-        assert (
-            run_cli(
-                "ppo", "--resume", str(run_files.parent / "alone"), "run.steps=5", "--allow-config-change"
-            )
-            == 0
-        )
+        assert run_cli(*alone, "--allow-config-change") == 0
     assert [r["step"] for r in read_metrics(run_files.parent / "alone")] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_fsdp2_with_lora_and_a_reward_model(run_files, make_reward_model, reward_tokenizer):
+    """FSDP2 with a LoRA policy (its reference is the adapter-disabled view) and a learned reward model
+    with its own tokenizer (sharded, gathered for scoring)."""
+    rm_dir = run_files.parent / "rm"
+    make_reward_model(reward_tokenizer).save_pretrained(rm_dir)
+    reward_tokenizer.save_pretrained(rm_dir)
+    config = write_config(
+        run_files,
+        models={"policy_lora": {"enabled": True, "r": 4}},
+        reward={"model": {"path": str(rm_dir)}, "function": None},
+        distributed={"strategy": "fsdp2"},
+    )
+    done = torchrun(str(config))
+    assert done.returncode == 0, done.stderr[-4000:]
+    run = run_files.parent / "run"
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(math.isfinite(r["reward/rm_score"]) and r["perf/allgather_mb"] > 0 for r in records)
+    final = AutoModelForCausalLM.from_pretrained(run / "final")  # the adapter merged into whole weights
+    base = AutoModelForCausalLM.from_pretrained(run_files.parent / "policy")
+    moved = [k for k, w in final.state_dict().items() if not torch.equal(w, base.state_dict()[k])]
+    assert moved and all("proj" in k for k in moved)  # LoRA's target modules changed, nothing else
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_lost_rank_ends_the_job_with_the_intact_checkpoint_and_resume_continues_exactly(
+    run_files, strategy, monkeypatch
+):
+    """Rank 1 is SIGKILLed in the middle of step 3: rank 0 must not hang, must say which rank it lost
+    and which checkpoint is intact, and ``--resume`` from it must give the run that was never killed."""
+    marker = run_files.parent / "rank1-died"
+    monkeypatch.setenv("LOST_RANK_MARKER", str(marker))
+
+    def config(name):
+        return write_config(
+            run_files,
+            reward={"function": LOSES_RANK1},
+            run={"steps": 4, "checkpoint_every": 2, "output_dir": str(run_files.parent / name)},
+            distributed={"strategy": strategy, "timeout_s": 30},
+        )
+
+    killed, never_killed = config("killed"), config("never-killed")
+    started = time.monotonic()
+    done = torchrun(str(killed))
+    assert time.monotonic() - started < 60 and done.returncode != 0 and marker.exists()
+    checkpoint = run_files.parent / "killed" / "checkpoints" / "step-000002"
+    assert "rank 0 lost rank 1" in done.stderr and f"last intact checkpoint is {checkpoint}" in done.stderr
+    assert "exitcode  : -9" in done.stderr  # torchrun's summary: rank 1 was killed
+    assert [r["step"] for r in read_metrics(run_files.parent / "killed")] == [1, 2]
+
+    assert torchrun("--resume", str(run_files.parent / "killed")).returncode == 0
+    assert torchrun(str(never_killed)).returncode == 0  # the marker exists: nobody dies this time
+    resumed, straight = (read_metrics(run_files.parent / name) for name in ("killed", "never-killed"))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4] and comparable(resumed) == comparable(straight)

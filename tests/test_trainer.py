@@ -44,6 +44,8 @@ def test_first_update_sees_ratio_one_and_metrics_are_complete():
                 "reward/norm",
                 "reward/clip",
                 "perf/allreduce_mb",
+                "perf/allgather_mb",
+                "perf/reduce_scatter_mb",
                 "perf/peak_gpu_mb",
                 "engine/tis_clip_frac",
                 "perf/weight_sync_s",

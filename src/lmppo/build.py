@@ -119,6 +119,18 @@ def load_value_model(cfg: Config, policy: nn.Module, reward_model: nn.Module | N
     return with_lora(value, v.lora).to(device)
 
 
+def policy_spec(cfg: Config, precision: str) -> ModelSource:
+    """``models.policy`` with its dtype settled: fp32 when all of it is trained, by precision under LoRA."""
+    return settled_dtype(
+        cfg.models.policy, "models.policy", precision=precision, trained=not cfg.models.policy_lora.enabled
+    )
+
+
+def load_policy(cfg: Config, precision: str, device: torch.device | str = "cpu") -> nn.Module:
+    """The starting policy: ``models.policy`` with the LoRA adapters of ``models.policy_lora``, if any."""
+    return with_lora(load_causal_lm(policy_spec(cfg, precision)).to(device), cfg.models.policy_lora)
+
+
 def load_models(cfg: Config, device: torch.device) -> PPOModels:
     """Policy (+ LoRA), reference, reward (model or function) and critic, with identity records.
 
@@ -127,12 +139,10 @@ def load_models(cfg: Config, device: torch.device) -> PPOModels:
     """
     m = cfg.models
     precision = resolve_precision(cfg.run.precision, device)
-    policy_spec = settled_dtype(
-        m.policy, "models.policy", precision=precision, trained=not m.policy_lora.enabled
-    )
-    policy_source = resolve_source(policy_spec)
-    tokenizer = load_tokenizer(policy_spec)
-    policy = with_lora(load_causal_lm(policy_spec).to(device), m.policy_lora)
+    spec = policy_spec(cfg, precision)
+    policy_source = resolve_source(spec)
+    tokenizer = load_tokenizer(spec)
+    policy = load_policy(cfg, precision, device)
     if m.reference is not None:
         reference_spec = settled_dtype(m.reference, "models.reference", precision=precision, trained=False)
         reference_source = resolve_source(reference_spec)

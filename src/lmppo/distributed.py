@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import os
 import random
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,16 @@ def check_world_size(world_size: int, **global_sizes: int | None) -> None:
                 f"{name}={size} is a global size and must be divisible by the {world_size} ranks; "
                 f"set it to a multiple of {world_size} or change --nproc-per-node"
             )
+
+
+def check_strategy(strategy: str, world_size: int) -> None:
+    """FSDP2 needs ranks to shard over: one process is refused with the fix."""
+    if strategy == "fsdp2" and world_size == 1:
+        raise LmppoError(
+            "distributed.strategy=fsdp2 shards the models over the ranks torchrun starts, and this is one "
+            "process; start it with `torchrun --nproc-per-node N -m lmppo ppo ...`, or set "
+            "distributed.strategy=ddp"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -230,6 +241,9 @@ def fully_shard_model(
     all-gathered just before its forward and freed after it; the root keeps its weights between the
     forward and the backward, which needs them at once. ``root=False`` shards the listed units only
     (a head on a trunk another model already shards)."""
+    # Linear heads and slices return views; nothing downstream changes them in place (the equality tests
+    # against one process would fail), so FSDP2's warning about in-place ops on views is noise here.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     units = [(layer, compute_dtype, True) for layer in layers]
     units += [(unit, torch.float32, True) for unit in fp32_units]
     if root:
@@ -251,7 +265,11 @@ def gathered(*modules: nn.Module | None) -> Iterator[None]:
     passes gather one model at a time. The update instead all-gathers one layer at a time.
     """
     units = {
-        id(m): m for module in modules if module is not None for m in module.modules() if isinstance(m, FSDPModule)
+        id(m): m
+        for module in modules
+        if module is not None
+        for m in module.modules()
+        if isinstance(m, FSDPModule)
     }
     # FSDP2 reuses its all-gather buffers in the update: they must not be inference tensors
     with torch.inference_mode(False), torch.no_grad():
@@ -282,6 +300,4 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def local_bytes(tensors) -> int:
     """Bytes this rank holds of ``tensors`` (its shards of DTensors; all of a plain tensor)."""
-    return sum(
-        (t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors
-    )
+    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)

@@ -78,6 +78,9 @@ METRIC_NAMES: dict[str, str] = {
     "perf/peak_rss_mb": "peak resident memory of the process in MiB",
     "perf/peak_gpu_mb": "peak CUDA memory allocated by torch in MiB (CUDA runs only)",
     "perf/allreduce_mb": "gradient bytes all-reduced by DDP this step, MiB per rank (only with several ranks)",
+    "perf/allgather_mb": "FSDP2: weight bytes each rank received by all-gather this step, MiB (fsdp2 only)",
+    "perf/reduce_scatter_mb": "FSDP2: gradient bytes each rank sent by reduce-scatter this step, MiB (fsdp2 only)",
+    "perf/trained_state_mb": "trained weights + gradients + optimizer state this rank holds, MiB (1/N under fsdp2)",
     "eval/reward/rm_score": "mean reward-model (or reward function) score on the held-out prompts",
     "eval/gold_score": "mean gold-judge score on the held-out prompts, where a judge exists",
     "eval/kl/ref": "mean per-sequence KL (k1) of the policy to the reference on held-out samples",
@@ -101,6 +104,7 @@ REDUCE_OPS: dict[str, str] = {
     "perf/reference_s": "max",
     "perf/values_s": "max",
     "perf/update_s": "max",
+    "perf/trained_state_mb": "max",
     "perf/weight_sync_s": "max",
     "perf/rollout_tokens_per_s": "min",  # all ranks' tokens over this rank's seconds: the slowest rank's
     "perf/train_tokens_per_s": "min",

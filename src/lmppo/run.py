@@ -6,6 +6,7 @@ Under ``torchrun`` every rank runs :func:`train`: data parallel over the process
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import threading
@@ -15,9 +16,10 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel
+from torch import nn
 from transformers import GenerationConfig
 
-from lmppo.build import PPOModels, load_models
+from lmppo.build import PPOModels, load_models, load_policy
 from lmppo.checkpoint import (
     CHECKPOINTS_DIR,
     Checkpoint,
@@ -29,10 +31,21 @@ from lmppo.checkpoint import (
 )
 from lmppo.config import Config
 from lmppo.data import load_demonstrations, load_located_prompts
-from lmppo.distributed import DistInfo, any_rank, barrier, distributed_session, rank_seed, seed_everything
+from lmppo.distributed import (
+    DistInfo,
+    any_rank,
+    barrier,
+    check_strategy,
+    distributed_session,
+    full_tensor,
+    gathered,
+    rank_seed,
+    seed_everything,
+)
 from lmppo.errors import Interrupted, LmppoError, UserCodeError
 from lmppo.guards import Guards
 from lmppo.metrics import MetricsLogger, ProgressDisplay, reduce_metrics
+from lmppo.models import resolve_precision
 from lmppo.plan import check_plan
 from lmppo.sft import sft_batch
 from lmppo.trainer import PPOTrainer
@@ -86,8 +99,36 @@ def train(
     plan does not fit the device is refused before any model is loaded, unless ``force``.
     """
     device = resolve_device(cfg.run.device)
-    with distributed_session(device.type) as dist_info:
-        return _train(cfg, device, dist_info, resume, allow_config_change, evaluator_factory, force)
+    try:
+        with distributed_session(device.type, cfg.distributed.timeout_s) as dist_info:
+            return _train(cfg, device, dist_info, resume, allow_config_change, evaluator_factory, force)
+    except RuntimeError as err:
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1 or not is_lost_rank(err):
+            raise
+        raise lost_rank_error(err, cfg) from None
+
+
+def is_lost_rank(err: RuntimeError) -> bool:
+    """Whether a collective failed because another rank is gone: its connection closed (gloo), or it
+    did not answer within ``distributed.timeout_s`` (gloo's timeout, NCCL's backend errors)."""
+    return isinstance(err, torch.distributed.DistError) or "gloo" in str(err)
+
+
+def lost_rank_error(err: RuntimeError, cfg: Config) -> LmppoError:
+    """What the surviving ranks say. torchrun stops them too (SIGTERM) when it sees a worker die; the
+    job is ending anyway, so that signal is ignored from here on rather than cut this message short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+    lost = f"rank {1 - rank}" if world == 2 else f"one of the other {world - 1} ranks"
+    run_dir = Path(cfg.run.output_dir)
+    reason = str(err).strip().splitlines()[0].split(". ")[0][:300]  # its first sentence
+    return LmppoError(
+        f"rank {rank} lost {lost}: a collective failed ({reason}). A rank died (torchrun's failure summary "
+        f"names it and its exit code; -9 is a kill, often the out-of-memory killer) or did not answer within "
+        f"distributed.timeout_s={cfg.distributed.timeout_s:g}. Nothing of the unfinished step was saved: the "
+        f"last intact checkpoint is {latest_checkpoint(run_dir) or 'none'}. Continue with `torchrun "
+        f"--nproc-per-node {world} -m lmppo ppo --resume {run_dir}`."
+    )
 
 
 def _train(
@@ -102,6 +143,7 @@ def _train(
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     run_dir = Path(cfg.run.output_dir)
+    check_strategy(cfg.distributed.strategy, dist_info.world_size)
     checkpoint = _checkpoint_to_resume(run_dir, resume, dist_info.is_main)
     barrier(dist_info.group)  # every rank has looked for a checkpoint before rank 0 writes the first one
     plan = check_plan(cfg, force)  # before anything heavy: no OOM an hour in
@@ -167,6 +209,7 @@ def _train(
         save("ok")  # step 0: the pre-PPO bundle is the first last-known-good checkpoint
 
     with (
+        StopOnSignal() as stop,  # outermost: a signal during the other exits only sets its flag
         MetricsLogger(
             run_dir,
             cfg.logging.sinks,
@@ -178,7 +221,6 @@ def _train(
         ProgressDisplay(
             cfg.run.steps, quiet=cfg.logging.quiet, start_step=trainer.step_count, enabled=dist_info.is_main
         ) as progress,
-        StopOnSignal() as stop,
     ):
         while trainer.step_count < cfg.run.steps:
             try:
@@ -190,7 +232,8 @@ def _train(
                     f"`lmppo ppo --resume {run_dir}`"
                 ) from None
             if evaluator is not None and cfg.run.eval_every and trainer.step_count % cfg.run.eval_every == 0:
-                with trainer.autocast():  # in its own RNG stream: the training draws stay as they were
+                # in its own RNG stream: the training draws stay as they were
+                with trainer.autocast(), gathered(models.policy, models.reference, models.reward_model):
                     metrics.update(evaluator())
             metrics = reduce_metrics(metrics, dist_info.group)
             logger.log(trainer.step_count, metrics)
@@ -215,8 +258,9 @@ def _train(
             if every and trainer.step_count % every == 0 and trainer.step_count < cfg.run.steps:
                 save("ok" if guards.healthy else "unhealthy")  # only a healthy step is a last good one
     save("ok" if guards.healthy else "unhealthy")
+    policy = whole_policy(cfg, models, device, dist_info.is_main) if trainer.sharded else models.policy
     if dist_info.is_main:
-        export_final(run_dir / "final", models, cfg)
+        export_final(run_dir / "final", policy, models.tokenizer, cfg)
     barrier(dist_info.group)  # no rank leaves (and tears the group down) before the final model is written
     return run_dir
 
@@ -278,9 +322,19 @@ def ptx_batches(
     return next_batch
 
 
-def export_final(out_dir: Path, models: PPOModels, cfg: Config) -> Path:
+def whole_policy(cfg: Config, models: PPOModels, device: torch.device, is_main: bool) -> nn.Module | None:
+    """An FSDP2-sharded policy's weights gathered whole into a plain copy on rank 0's CPU (every rank
+    takes part in the gathering; the others get None)."""
+    state = {name: full_tensor(tensor) for name, tensor in models.policy.state_dict().items()}
+    if not is_main:
+        return None
+    policy = load_policy(cfg, resolve_precision(cfg.run.precision, device))
+    policy.load_state_dict({name: tensor.cpu() for name, tensor in state.items()})
+    return policy
+
+
+def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config) -> Path:
     """The trained policy as a plain transformers directory, with our decoding settings and a model card."""
-    policy = models.policy
     if isinstance(policy, PeftModel):
         policy = policy.merge_and_unload()  # training is over: fold the adapter into the weights
     policy.generation_config = GenerationConfig(
@@ -289,11 +343,11 @@ def export_final(out_dir: Path, models: PPOModels, cfg: Config) -> Path:
         top_k=cfg.rollout.top_k,
         top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens,
-        eos_token_id=sorted({*cfg.rollout.stop_token_ids, models.tokenizer.eos_token_id} - {None}),
-        pad_token_id=models.tokenizer.pad_token_id,
+        eos_token_id=sorted({*cfg.rollout.stop_token_ids, tokenizer.eos_token_id} - {None}),
+        pad_token_id=tokenizer.pad_token_id,
     )
     policy.save_pretrained(out_dir)
-    models.tokenizer.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
     reward = cfg.reward.model.path if cfg.reward.model else f"the function {cfg.reward.function}"
     kl = (
         f"adaptive, target {cfg.kl.target} nats, horizon {cfg.kl.horizon}"

@@ -25,6 +25,7 @@ from lmppo.data import Prompt, PromptStream
 from lmppo.distributed import (
     CommCounter,
     all_sum,
+    check_strategy,
     check_world_size,
     data_parallel,
     device_mesh,
@@ -100,6 +101,7 @@ class PPOTrainer:
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
+        check_strategy(cfg.distributed.strategy, world_size)
         check_world_size(
             world_size,
             **{
@@ -130,12 +132,6 @@ class PPOTrainer:
             self.comm_counter = self._shard(group)
         elif group is not None:
             self.train_module, self.comm_counter = data_parallel(self.train_module, group)
-        elif cfg.distributed.strategy == "fsdp2":
-            raise LmppoError(
-                "distributed.strategy=fsdp2 shards the models over the ranks torchrun starts, and this is one "
-                "process; start it with `torchrun --nproc-per-node N -m lmppo ppo ...`, or set "
-                "distributed.strategy=ddp"
-            )
         if cfg.rollout.engine == "vllm" and world_size > 1:
             raise LmppoError(
                 "rollout.engine=vllm runs with one process; use rollout.engine=hf under torchrun"
@@ -179,7 +175,9 @@ class PPOTrainer:
         counter, mesh = CommCounter(), device_mesh(group)
         compute_dtype = torch.bfloat16 if self.precision == "bf16" else None
         value = self.value_model
-        fully_shard_model(self.policy, decoder_layers(self.policy), mesh, counter, compute_dtype=compute_dtype)
+        fully_shard_model(
+            self.policy, decoder_layers(self.policy), mesh, counter, compute_dtype=compute_dtype
+        )
         fully_shard_model(
             value,
             [] if value.shared_trunk else decoder_layers(value),
@@ -465,7 +463,9 @@ class PPOTrainer:
             sums["ptx/loss"] = ptx_loss.item() / self.world_size  # a mean over ranks after the sum below
         for i, (micro, weight) in enumerate(zip(micro_batches, weights, strict=True)):
             stats, loss = self.micro_batch_loss(micro)
-            share = weight * micro.response_mask.sum() / global_tokens  # micro token mean -> global token mean
+            share = (
+                weight * micro.response_mask.sum() / global_tokens
+            )  # micro token mean -> global token mean
             with self._no_grad_sync() if i < len(micro_batches) - 1 else nullcontext():
                 (loss * share * self.world_size).backward()
             ratio_max = max(ratio_max, stats.pop("policy/ratio_max"))
@@ -590,7 +590,9 @@ class PPOTrainer:
             params = [p for p in group["params"] if p.grad is not None]
             norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
             norm_value = float(full_tensor(norm))
-            if max_norm / (norm_value + 1e-6) < 1.0:  # clip_grad_norm_'s factor; NaN / inf skip the step anyway
+            if (
+                max_norm / (norm_value + 1e-6) < 1.0
+            ):  # clip_grad_norm_'s factor; NaN / inf skip the step anyway
                 torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
             norms.append(norm_value)
         return norms[0], norms[1], all(math.isfinite(n) for n in norms)
@@ -702,7 +704,9 @@ class PPOTrainer:
             with torch.no_grad():
                 for key, param in expected.items():
                     param.copy_(shard_like(tensors[name][key], param))
-        self.optimizer.load_state_dict(self._sharded_like_params(unflatten_state(tensors["optimizer"], state["optimizer"])))
+        self.optimizer.load_state_dict(
+            self._sharded_like_params(unflatten_state(tensors["optimizer"], state["optimizer"]))
+        )
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.score_transform.load_state_dict(state["score_transform"])
