@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import run_cli
+from rich.console import Console
 
 from lmppo import plan as plan_module
 from lmppo.build import load_models
 from lmppo.config import load_config
-from lmppo.plan import memory_plan, size
+from lmppo.plan import memory_plan, plan_report, size
 
 
 def rows_by_role(plan):
@@ -66,6 +67,29 @@ def test_each_memory_option_shrinks_its_phase(run_files):
     assert phases("rollout.forward_batch_tokens=40")["stored passes"] < base["stored passes"]
     assert phases("run.precision=bf16")["rollout"] < base["rollout"]  # a bf16 KV cache
     assert phases("rollout.max_new_tokens=128")["rollout"] > base["rollout"]
+
+
+@pytest.mark.parametrize("shard_frozen", [True, False])
+def test_fsdp2_splits_what_each_rank_holds_and_adds_what_it_gathers(run_files, shard_frozen):
+    def plan(*overrides):
+        return memory_plan(load_config(run_files, list(overrides)), world_size=2)
+
+    ddp = plan()
+    fsdp2 = plan("distributed.strategy=fsdp2", f"distributed.shard_frozen={str(shard_frozen).lower()}")
+    rows, whole = rows_by_role(fsdp2), rows_by_role(ddp)
+    for role in ("policy", "value"):  # trained: weights, gradients and Adam moments split over the 2 ranks
+        assert rows[role].total == pytest.approx(whole[role].total / 2, abs=8)
+    assert rows["reference"].total == (
+        whole["reference"].total // 2 if shard_frozen else whole["reference"].total
+    )
+    # the rollout holds the policy whole (fp32 here) on top of the shards; the update loses DDP's buckets
+    assert fsdp2.phases["rollout"] == ddp.phases["rollout"] + 4 * whole["policy"].parameters
+    assert fsdp2.phases["stored passes"] > ddp.phases["stored passes"]
+    assert fsdp2.static < ddp.static
+    report = Console(width=200, record=True)
+    report.print(plan_report(fsdp2))
+    text = report.export_text()  # export_text empties the record
+    assert "FSDP2 (each rank's shards)" in text and "1/2" in text
 
 
 def test_lmppo_plan_prints_the_table_and_the_verdict(run_files, capsys):

@@ -96,18 +96,26 @@ class ModelRow:
     trained: int
     note: str = ""
     frozen_bytes_per_param: int = 4
+    shards: int = 1  # ranks its weights, gradients and Adam moments are split over (FSDP2)
 
     @property
     def weights(self) -> int:
-        return (self.parameters - self.trained) * self.frozen_bytes_per_param + self.trained * 4
+        return (
+            (self.parameters - self.trained) * self.frozen_bytes_per_param + self.trained * 4
+        ) // self.shards
 
     @property
     def grads(self) -> int:
-        return self.trained * 4
+        return self.trained * 4 // self.shards
 
     @property
     def adam(self) -> int:
-        return self.trained * 8
+        return self.trained * 8 // self.shards
+
+    def gathered(self, act_bytes: int) -> int:
+        """Bytes of the whole model gathered for a pass (FSDP2): trained weights in the compute dtype,
+        frozen ones in their own."""
+        return self.parameters * (act_bytes if self.trained else self.frozen_bytes_per_param)
 
     @property
     def total(self) -> int:
@@ -331,9 +339,17 @@ def phase_bytes(
         saved += tokens * critic.saved_per_token(act, checkpointing)
     logits = tokens * response // length * policy.vocab * (act + LOGIT_BYTES)
     trained = sum(row.trained for row in rows)
-    update = (
-        saved + logits + (trained * 2 if precision == "bf16" else 0) + (trained * 4 if world_size > 1 else 0)
-    )
+    if by_role["policy"].shards > 1:  # FSDP2: what is gathered whole on top of each rank's shards
+        rollout, stored, update_gathers = _gathered_bytes(cfg, by_role, shapes, act, rollout, stored)
+        update = saved + logits + update_gathers  # all-gathered in the compute dtype: no autocast copies
+        how += ", FSDP2 gathers per layer"
+    else:
+        update = (
+            saved
+            + logits
+            + (trained * 2 if precision == "bf16" else 0)
+            + (trained * 4 if world_size > 1 else 0)
+        )
     how += ", checkpointed" if checkpointing else ", all activations kept"
     phases = {"rollout": rollout, "stored passes": stored, "update": update}
     details = {
@@ -342,6 +358,25 @@ def phase_bytes(
         "update": how,
     }
     return phases, details
+
+
+def _gathered_bytes(
+    cfg: Config, by_role: dict[str, ModelRow], shapes: dict[str, Shape], act: int, rollout: int, stored: int
+) -> tuple[int, int, int]:
+    """Under FSDP2: the rollout and the stored passes plus the model they gather whole (the policy; the
+    largest of reference, reward model and critic, one at a time), and the update's gathers: two layers
+    at once (one prefetched) and the root unit (embeddings, head), with one layer's fp32 gradients."""
+    policy, value = by_role["policy"], by_role["value"]
+    shared = cfg.models.value.mode == "shared"
+    passes = [value.gathered(act) + (policy.gathered(act) if shared else 0)]
+    passes += [by_role[role].gathered(act) for role in ("reference", "reward") if by_role[role].shards > 1]
+    update = 0
+    for role in ("policy",) if shared else ("policy", "value"):
+        shape = shapes[role]
+        root = min(2 * shape.vocab * shape.hidden, by_role[role].parameters)
+        layer = (by_role[role].parameters - root) // max(shape.layers, 1)
+        update += (2 * layer + root) * act + layer * 4
+    return rollout + policy.gathered(act), stored + max(passes), update
 
 
 # --------------------------------------------------------------------------------------------------
@@ -396,6 +431,10 @@ def memory_plan(
     device = device or planned_device(cfg)
     precision = resolve_precision(cfg.run.precision, torch.device(device))
     rows, shapes, conversion = model_rows(cfg, precision)
+    if cfg.distributed.strategy == "fsdp2" and world_size > 1:
+        for row in rows:
+            if row.trained or cfg.distributed.shard_frozen:
+                row.shards = world_size
     prompt_tokens = prompt_tokens or longest_prompt(cfg)
     phases, details = phase_bytes(cfg, rows, shapes, precision, prompt_tokens, world_size)
     if device == "cpu" and conversion:  # on CUDA the files are read into host memory, not the GPU's
@@ -428,6 +467,8 @@ def remedies(cfg: Config, plan: MemoryPlan) -> list[tuple[str, int]]:
         candidates.append("ppo.gradient_checkpointing=true")
     if cfg.models.value.mode == "separate" and not cfg.models.value.lora.enabled:
         candidates.append("models.value.mode=shared")
+    if plan.world_size > 1 and cfg.distributed.strategy == "ddp":
+        candidates.append("distributed.strategy=fsdp2")
     update_tokens = plan.phases["update"]
     if update_tokens == max(plan.phases.values()):
         budget = max(
@@ -466,7 +507,13 @@ def check_plan(cfg: Config, force: bool = False) -> MemoryPlan:
         f"are available (per rank: models {size(plan.static)}, largest phase {largest} "
         f"{size(plan.phases[largest])}; `lmppo plan CONFIG` shows the whole table). "
         + (f"To fit, change: {fixes}. " if fixes else "")
-        + "More ranks do not shrink it yet: each rank holds whole models. Pass --force to start anyway."
+        + (
+            "More ranks shrink it only under distributed.strategy=fsdp2 (under ddp each rank holds whole "
+            "models). "
+            if cfg.distributed.strategy == "ddp"
+            else ""
+        )
+        + "Pass --force to start anyway."
     )
 
 
@@ -481,12 +528,18 @@ def size(n: int) -> str:
 
 def plan_report(plan: MemoryPlan) -> Group:
     """The plan as the seeds' memory table, the step's phases and the verdict (per rank)."""
-    models = Table(title=f"memory plan per rank: {plan.device}, {plan.precision}, {plan.world_size} rank(s)")
+    sharded = any(row.shards > 1 for row in plan.models)
+    models = Table(
+        title=f"memory plan per rank: {plan.device}, {plan.precision}, {plan.world_size} rank(s)"
+        + (", FSDP2 (each rank's shards)" if sharded else "")
+    )
     for column in ("model", "params", "dtype", "trained", "weights", "grads+Adam", "total"):
         models.add_column(column, justify="left" if column in ("model", "dtype") else "right")
     for row in plan.models:
         share = f"{row.trained / row.parameters:.1%}" if row.parameters else "-"
-        name = f"{row.role} ({row.note})" if row.note else row.role
+        shards = f"1/{row.shards}" if row.shards > 1 and row.parameters else ""
+        note = ", ".join(filter(None, [row.note, shards]))
+        name = f"{row.role} ({note})" if note else row.role
         models.add_row(
             name,
             count(row.parameters),
