@@ -74,13 +74,13 @@ BENCH_DISTRIBUTED = BENCH.parent / "bench_distributed.py"
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_bench_distributed_runs_one_and_two_processes(run_files, tmp_path):
+def test_bench_distributed_runs_one_process_ddp_and_fsdp2(run_files, tmp_path):
     report = run_bench(
         BENCH_DISTRIBUTED,
         "--config",
         str(run_files),
-        "--procs",
-        "1,2",
+        "--setups",
+        "1,ddp:2,fsdp2:2",
         "--steps",
         "2",
         "--warmup",
@@ -90,10 +90,14 @@ def test_bench_distributed_runs_one_and_two_processes(run_files, tmp_path):
         "--work-dir",
         str(tmp_path / "bench"),
     )
-    one, two = report["results"]["1"], report["results"]["2"]
+    one, ddp, fsdp2 = (report["results"][setup] for setup in ("1", "ddp:2", "fsdp2:2"))
     assert one["allreduce_mb_per_step"] == 0 and one["seconds_per_step"] > 0
     # DDP sent every trainable parameter's gradient once per optimiser step (float32)
-    assert two["allreduce_mb_per_step"] == pytest.approx(two["expected_allreduce_mb_per_step"], rel=0.01)
+    assert ddp["allreduce_mb_per_step"] == pytest.approx(ddp["expected_allreduce_mb_per_step"], rel=0.01)
+    # FSDP2 holds half the trained state on each of 2 ranks; it gathers weights and scatters gradients
+    assert fsdp2["trained_state_mb_per_rank"] == pytest.approx(ddp["trained_state_mb_per_rank"] / 2, rel=0.02)
+    assert fsdp2["reduce_scatter_mb_per_step"] > 0 and fsdp2["allgather_mb_per_step"] > 0
+    assert fsdp2["allreduce_mb_per_step"] == 0
 
 
 @pytest.mark.slow
