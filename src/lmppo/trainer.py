@@ -629,18 +629,17 @@ class PPOTrainer:
 
         Under FSDP2 every sharded weight and optimizer state is gathered whole (one all-gather per
         tensor, in the same order on every rank), so the checkpoint is the same as one process's and
-        resumes on any number of ranks and either strategy.
+        resumes on any number of ranks and either strategy. Only rank 0, which writes, keeps the
+        tensors: the others return empty groups.
         """
         tensors = {
-            name: {
-                k: full_tensor(p.detach())
-                for k, p in module.named_parameters()
-                if p.requires_grad and id(p) not in skip
-            }
+            name: self._whole(
+                {k: p.detach() for k, p in module.named_parameters() if p.requires_grad and id(p) not in skip}
+            )
             for name, (module, skip) in self._trained_modules().items()
         }
         optimizer_tensors, optimizer_skeleton = flatten_state(self.optimizer.state_dict())
-        tensors["optimizer"] = {k: full_tensor(v) for k, v in optimizer_tensors.items()}
+        tensors["optimizer"] = self._whole(optimizer_tensors)
         # Every rank's generators (each samples and shuffles its own stream); the rest of the state is
         # the same on every rank. A collective: every rank calls this, rank 0 writes.
         rng_json, rng_tensors = capture_rng_state()
@@ -682,6 +681,16 @@ class PPOTrainer:
         rng = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
         self.shuffle_generator.set_state(rng.pop("shuffle"))
         restore_rng_state(per_rank_json[self.rank], rng)
+
+    def _whole(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` whole, gathered one at a time from their shards (every rank takes part), on rank 0;
+        empty elsewhere, so no other rank holds a second copy of the trained state."""
+        whole = {}
+        for name, tensor in tensors.items():
+            gathered = full_tensor(tensor)
+            if self.rank == 0:
+                whole[name] = gathered
+        return whole
 
     def _sharded_like_params(self, optimizer_state: dict) -> dict:
         """A saved (whole) optimizer state with each parameter's moments cut like that parameter (FSDP2
