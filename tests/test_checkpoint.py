@@ -23,7 +23,9 @@ from lmppo.checkpoint import (
     load_intact_checkpoint,
     restore_rng_state,
     save_checkpoint,
+    shard_scratch_dir,
     unflatten_state,
+    write_tensor_groups,
 )
 from lmppo.errors import LmppoError
 
@@ -190,6 +192,35 @@ def test_resaving_a_step_replaces_it(tmp_path):
     loaded = load_checkpoint(path)
     assert loaded.state == {"attempt": 2} and loaded.manifest["tag"] == "interrupted"
     assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()] == ["step-000003"]
+
+
+def test_a_sharded_save_adopts_other_ranks_files_and_each_rank_loads_its_own(tmp_path):
+    """A sharded checkpoint: rank 1 wrote its groups first; rank 0's save moves them in and hashes them.
+    Loaded by the same world size, a rank reads only its own shards; by another, every rank's."""
+    checkpoints = tmp_path / "checkpoints"
+    scratch = shard_scratch_dir(checkpoints, 4)
+    scratch.mkdir(parents=True)
+    write_tensor_groups(scratch, {"policy-rank1": {"w": torch.ones(2)}})
+    path = save_checkpoint(
+        checkpoints,
+        4,
+        tensors={"policy-rank0": {"w": torch.zeros(2)}, "rng": {"rank0/torch": torch.zeros(3)}},
+        state={},
+        manifest={**MANIFEST, "world_size": 2},
+        keep_last=2,
+        adopt=sorted(scratch.iterdir()),
+    )
+    assert "policy-rank1.safetensors" in json.loads((path / "manifest.json").read_text())["files"]
+    assert not scratch.exists()  # emptied into the checkpoint, then pruned
+    assert load_checkpoint(path, rank=1, world_size=2).tensors.keys() == {"policy-rank1", "rng"}
+    assert load_checkpoint(path, rank=0, world_size=1).tensors.keys() == {
+        "policy-rank0",
+        "policy-rank1",
+        "rng",
+    }
+    (path / "policy-rank1.safetensors").write_bytes(b"x")  # an adopted file is verified like any other
+    with pytest.raises(LmppoError, match="policy-rank1.safetensors"):
+        load_checkpoint(path, rank=0, world_size=2)
 
 
 def test_missing_manifest_keys_and_bad_tags_are_refused(tmp_path):

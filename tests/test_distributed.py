@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from lmppo.checkpoint import latest_checkpoint, load_checkpoint
 from lmppo.config import LoraConfig
-from lmppo.distributed import check_world_size, full_tensor, seed_everything
+from lmppo.distributed import check_world_size, full_tensor, join_shards, seed_everything
 from lmppo.errors import LmppoError
 from lmppo.metrics import read_metrics, reduce_metrics
 from lmppo.models import ValueModel, make_reference, with_lora
@@ -231,12 +231,16 @@ def torchrun(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_torchrun_two_ranks_log_once_checkpoint_every_rank_and_resume_exactly(run_files, capsys, strategy):
+@pytest.mark.parametrize(
+    ("strategy", "checkpoint"), [("ddp", "full"), ("fsdp2", "full"), ("fsdp2", "sharded")]
+)
+def test_torchrun_two_ranks_log_once_checkpoint_every_rank_and_resume_exactly(
+    run_files, capsys, strategy, checkpoint
+):
     straight = write_config(
         run_files,
         run={"steps": 4, "output_dir": str(run_files.parent / "straight")},
-        distributed={"strategy": strategy},
+        distributed={"strategy": strategy, "checkpoint": checkpoint},
     )
     done = torchrun(str(straight))
     assert done.returncode == 0, done.stderr[-4000:]
@@ -246,8 +250,11 @@ def test_torchrun_two_ranks_log_once_checkpoint_every_rank_and_resume_exactly(ru
     comm = "perf/reduce_scatter_mb" if strategy == "fsdp2" else "perf/allreduce_mb"
     assert all(r[comm] > 0 and math.isfinite(r["policy/loss"]) for r in records)
     final = AutoModelForCausalLM.from_pretrained(a / "final")  # plain transformers, whole weights
-    saved = load_checkpoint(latest_checkpoint(a)).tensors["policy"]
-    assert all(torch.equal(final.state_dict()[k], saved[k]) for k in saved)
+    saved = load_checkpoint(latest_checkpoint(a)).tensors
+    if checkpoint == "sharded":  # each rank wrote its own half of every trained tensor
+        assert {"policy-rank0", "policy-rank1", "optimizer-rank1"} <= saved.keys() and "policy" not in saved
+        saved["policy"] = join_shards([saved["policy-rank0"], saved["policy-rank1"]])
+    assert all(torch.equal(final.state_dict()[k], saved["policy"][k]) for k in saved["policy"])
     checkpoint = latest_checkpoint(a)
     assert json.loads((checkpoint / "manifest.json").read_text())["world_size"] == 2
     rng = load_file(checkpoint / "rng.safetensors")
@@ -259,16 +266,18 @@ def test_torchrun_two_ranks_log_once_checkpoint_every_rank_and_resume_exactly(ru
     assert done.returncode == 0, done.stderr[-4000:]
     b = run_files.parent / "split"
     assert comparable(read_metrics(a)) == comparable(read_metrics(b))
-    for group in ("policy", "value", "optimizer"):
-        saved_a, saved_b = (load_checkpoint(latest_checkpoint(d)).tensors[group] for d in (a, b))
-        assert saved_a.keys() == saved_b.keys() and all(
-            torch.equal(saved_a[k], saved_b[k]) for k in saved_a
+    saved_a, saved_b = (load_checkpoint(latest_checkpoint(d)).tensors for d in (a, b))
+    assert saved_a.keys() == saved_b.keys()
+    for group in saved_a.keys() - {"rng"}:
+        assert saved_a[group].keys() == saved_b[group].keys() and all(
+            torch.equal(saved_a[group][k], saved_b[group][k]) for k in saved_a[group]
         ), group
 
     # One process cannot continue a 2-rank run's sampling streams: refused unless explicitly allowed.
     # The checkpoint holds whole tensors under either strategy, so one process resumes an FSDP2 run too.
     shutil.copytree(b, run_files.parent / "alone")
-    alone = ("ppo", "--resume", str(run_files.parent / "alone"), "run.steps=5", "distributed.strategy=ddp")
+    one_process = ("distributed.strategy=ddp", "distributed.checkpoint=full")  # a sharded one is put together
+    alone = ("ppo", "--resume", str(run_files.parent / "alone"), "run.steps=5", *one_process)
     assert run_cli(*alone) == 2
     assert "world_size" in capsys.readouterr().err
     with pytest.warns(UserWarning, match="written by 2 ranks and this run has 1"):

@@ -49,6 +49,7 @@ RESUMABLE_KEYS = (
     "run.threads",
     "distributed.timeout_s",
     "distributed.shard_frozen",  # where frozen weights live, not what they compute
+    "distributed.checkpoint",  # how checkpoints are split into files: either kind loads
     "logging",
     "guards",
 )
@@ -229,13 +230,26 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _write_checkpoint_files(
-    directory: Path, step: int, tensors: dict, state: dict, manifest: dict, tag: str
-) -> None:
+def write_tensor_groups(directory: Path, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+    """One ``<group>.safetensors`` per group in ``directory``."""
     for group, group_tensors in tensors.items():
         if not _GROUP_NAME.fullmatch(group):
             raise ValueError(f"tensor group name {group!r} must match {_GROUP_NAME.pattern}")
         save_file(_storable(group_tensors), directory / f"{group}{TENSOR_SUFFIX}")
+
+
+def shard_scratch_dir(checkpoints_dir: str | Path, step: int) -> Path:
+    """Where the ranks of a sharded save write their own groups before rank 0 commits the checkpoint
+    (a temp name: never taken for a checkpoint, and cleared by the next save's pruning)."""
+    return Path(checkpoints_dir) / f"{_TMP_PREFIX}shards-{checkpoint_name(step)}"
+
+
+def _write_checkpoint_files(
+    directory: Path, step: int, tensors: dict, state: dict, manifest: dict, tag: str, adopt: list[Path]
+) -> None:
+    write_tensor_groups(directory, tensors)
+    for path in adopt:  # the other ranks' groups, already written: moved in before the manifest hashes them
+        os.replace(path, directory / path.name)
     _write_synced(directory / STATE_FILE, json.dumps(state, indent=1))
     files = {path.name: _synced_file_record(path) for path in sorted(directory.iterdir())}
     full_manifest = {
@@ -260,12 +274,14 @@ def save_checkpoint(
     manifest: dict,
     tag: str = "ok",
     keep_last: int,
+    adopt: list[Path] = (),
 ) -> Path:
     """Write ``checkpoints_dir/step-NNNNNN`` atomically, point ``latest`` at it, prune old ones.
 
     ``manifest`` must hold ``config`` (resolved, JSON-able), ``identities`` (the four models) and
     ``world_size``; step, tag, time, versions and file hashes are added here. ``keep_last``: keep the
-    newest K checkpoints plus the newest ``ok`` one. Re-saving an existing step replaces it.
+    newest K checkpoints plus the newest ``ok`` one. Re-saving an existing step replaces it. ``adopt``:
+    tensor files other processes wrote (a sharded save's ranks), moved into the checkpoint and hashed.
     """
     if tag not in TAGS:
         raise ValueError(f"checkpoint tag {tag!r} must be one of {TAGS}")
@@ -278,7 +294,7 @@ def save_checkpoint(
     staging = checkpoints_dir / f"{_TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
-        _write_checkpoint_files(staging, step, tensors, state, manifest, tag)
+        _write_checkpoint_files(staging, step, tensors, state, manifest, tag, list(adopt))
     except OSError as err:  # a full disk, a quota, a vanished mount: the previous checkpoints are untouched
         shutil.rmtree(staging, ignore_errors=True)
         kept = latest_checkpoint(checkpoints_dir.parent)
@@ -403,8 +419,15 @@ class DamagedCheckpoint(LmppoError):
         self.path, self.problem = path, problem
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Load a checkpoint after verifying every file against the manifest's sha256 and size."""
+_RANK_GROUP = re.compile(r".+-rank(\d+)")  # a sharded checkpoint's per-rank group: policy-rank3
+
+
+def load_checkpoint(path: str | Path, rank: int | None = None, world_size: int | None = None) -> Checkpoint:
+    """Load a checkpoint after verifying every file against the manifest's sha256 and size.
+
+    A sharded checkpoint (per-rank groups ``<group>-rank<r>``) written by ``world_size`` ranks loads only
+    ``rank``'s own groups; written by another number of ranks, every rank's (to be put together whole).
+    """
     path = Path(path)
     if not path.is_dir():
         raise LmppoError(f"no checkpoint at {path}: expected a directory like {CHECKPOINTS_DIR}/step-000010")
@@ -415,17 +438,20 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         problem = _file_problem(path / name, record)
         if problem:
             raise DamagedCheckpoint(path, f"{name} {problem}")
-    tensors = {
-        name.removesuffix(TENSOR_SUFFIX): load_file(path / name)
-        for name in manifest["files"]
-        if name.endswith(TENSOR_SUFFIX)
-    }
+    own_shards_only = rank is not None and manifest.get("world_size") == world_size
+
+    def wanted(group: str) -> bool:
+        shard = _RANK_GROUP.fullmatch(group)
+        return shard is None or not own_shards_only or int(shard[1]) == rank
+
+    groups = [name.removesuffix(TENSOR_SUFFIX) for name in manifest["files"] if name.endswith(TENSOR_SUFFIX)]
+    tensors = {group: load_file(path / f"{group}{TENSOR_SUFFIX}") for group in groups if wanted(group)}
     state = json.loads((path / STATE_FILE).read_text())
     return Checkpoint(tensors=tensors, state=state, manifest=manifest, path=path)
 
 
 def load_intact_checkpoint(
-    run_dir: str | Path, set_aside: bool = True
+    run_dir: str | Path, set_aside: bool = True, rank: int | None = None, world_size: int | None = None
 ) -> tuple[Checkpoint | None, list[str]]:
     """The checkpoint a resume continues from: the one ``latest`` names, else the newest by step, each
     verified in full; a damaged one is skipped (renamed ``damaged-step-*`` when ``set_aside``, so neither
@@ -442,7 +468,7 @@ def load_intact_checkpoint(
     skipped = []
     for path in candidates:
         try:
-            return load_checkpoint(path), skipped
+            return load_checkpoint(path, rank, world_size), skipped
         except DamagedCheckpoint as damage:
             skipped.append(f"{path.name}: {damage.problem}")
             if set_aside:

@@ -277,6 +277,12 @@ class DistributedConfig(Section):
     shard_frozen: bool = Field(
         True, description="under fsdp2, also shard the reference and the reward model (else replicated)"
     )
+    checkpoint: Literal["full", "sharded"] = Field(
+        "full",
+        description="under fsdp2: full = rank 0 writes whole tensors (resumable anywhere; rank 0's host memory "
+        "holds the trained state once); sharded = every rank writes its own shards (for trained state larger "
+        "than one host's memory)",
+    )
     timeout_s: float = Field(
         600.0,
         gt=0,
@@ -309,6 +315,15 @@ class Config(Section):
             raise ValueError(
                 "reward.missing_eos_penalty penalises truncated rows' scores, but rollout.truncation=bootstrap "
                 "gives truncated rows no score: set rollout.truncation=terminal or remove the penalty"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sharded_checkpoints_need_shards(self) -> Config:
+        if self.distributed.checkpoint == "sharded" and self.distributed.strategy != "fsdp2":
+            raise ValueError(
+                "distributed.checkpoint=sharded writes each rank's FSDP2 shards, and distributed.strategy="
+                f"{self.distributed.strategy} has none; set distributed.strategy=fsdp2 or distributed.checkpoint=full"
             )
         return self
 

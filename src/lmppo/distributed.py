@@ -298,6 +298,32 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
 
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (as stored in a sharded checkpoint), else ``tensor``."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def from_local_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's saved shard ``local`` as a DTensor laid out like ``like`` (no communication);
+    ``local`` itself when ``like`` is a plain tensor."""
+    if not isinstance(like, DTensor):
+        return local
+    local = local.to(device=like.to_local().device, dtype=like.dtype)
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+def join_shards(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Whole tensors from every rank's saved shards: FSDP2 splits each tensor along dim 0 in rank order
+    (torch.chunk sizes), so the whole is their concatenation; a 0-dim entry (a step count) is the same on
+    every rank."""
+    return {
+        key: torch.cat([shard[key] for shard in shards]) if first.dim() else first
+        for key, first in shards[0].items()
+    }
+
+
 def local_bytes(tensors) -> int:
     """Bytes this rank holds of ``tensors`` (its shards of DTensors; all of a plain tensor)."""
     return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)

@@ -28,6 +28,8 @@ from lmppo.checkpoint import (
     latest_checkpoint,
     load_intact_checkpoint,
     save_checkpoint,
+    shard_scratch_dir,
+    write_tensor_groups,
 )
 from lmppo.config import Config
 from lmppo.data import load_demonstrations, load_located_prompts
@@ -144,7 +146,7 @@ def _train(
         torch.set_num_threads(cfg.run.threads)
     run_dir = Path(cfg.run.output_dir)
     check_strategy(cfg.distributed.strategy, dist_info.world_size)
-    checkpoint = _checkpoint_to_resume(run_dir, resume, dist_info.is_main)
+    checkpoint = _checkpoint_to_resume(run_dir, resume, dist_info)
     barrier(dist_info.group)  # every rank has looked for a checkpoint before rank 0 writes the first one
     plan = check_plan(cfg, force)  # before anything heavy: no OOM an hour in
     seed_everything(cfg.run.seed)  # every rank builds the same models (fresh heads, LoRA adapters)
@@ -174,20 +176,39 @@ def _train(
     }
 
     def save(tag: str) -> Path | None:
-        """Called on every rank (the RNG states are gathered); rank 0 writes. Returns the path on rank 0."""
+        """Called on every rank (the RNG states are gathered); rank 0 writes. Returns the path on rank 0.
+
+        With sharded checkpoints every rank first writes its own shards next to the checkpoint-to-be;
+        rank 0 then moves them in, hashes them with its own files and commits the whole checkpoint."""
         tensors, state = trainer.state_payload()
         state["guards"] = guards.state_dict()
-        if not dist_info.is_main:
-            return None
-        return save_checkpoint(
-            run_dir / CHECKPOINTS_DIR,
-            trainer.step_count,
-            tensors=tensors,
-            state=state,
-            manifest=manifest,
-            tag=tag,
-            keep_last=cfg.run.keep_last,
-        )
+        adopt: list[Path] = []
+        if trainer.sharded_checkpoints:
+            scratch = shard_scratch_dir(run_dir / CHECKPOINTS_DIR, trainer.step_count)
+            if dist_info.is_main:
+                scratch.mkdir(parents=True, exist_ok=True)
+            barrier(dist_info.group)
+            if not dist_info.is_main:
+                write_tensor_groups(scratch, tensors)
+            barrier(dist_info.group)  # every rank's shards are on disk
+            adopt = sorted(scratch.glob("*-rank*"))
+        path = None
+        if dist_info.is_main:
+            path = save_checkpoint(
+                run_dir / CHECKPOINTS_DIR,
+                trainer.step_count,
+                tensors=tensors,
+                state=state,
+                manifest=manifest,
+                tag=tag,
+                keep_last=cfg.run.keep_last,
+                adopt=adopt,
+            )
+        if trainer.sharded_checkpoints:
+            barrier(
+                dist_info.group
+            )  # no rank writes the next checkpoint's shards before this one is committed
+        return path
 
     if checkpoint is not None:
         differences = check_compatible(
@@ -276,12 +297,14 @@ def resumed_config(run_dir: Path) -> Path:
     return config
 
 
-def _checkpoint_to_resume(run_dir: Path, resume: bool, is_main: bool) -> Checkpoint | None:
+def _checkpoint_to_resume(run_dir: Path, resume: bool, dist_info: DistInfo) -> Checkpoint | None:
     if run_dir.exists() and not run_dir.is_dir():
         raise LmppoError(f"run.output_dir={run_dir} is an existing file; set run.output_dir to a directory")
     if resume:
-        checkpoint, damaged = load_intact_checkpoint(run_dir, set_aside=is_main)
-        if damaged and is_main:
+        checkpoint, damaged = load_intact_checkpoint(
+            run_dir, set_aside=dist_info.is_main, rank=dist_info.rank, world_size=dist_info.world_size
+        )
+        if damaged and dist_info.is_main:
             resumed = (
                 f"resuming from {checkpoint.path.name}" if checkpoint else "no intact checkpoint is left"
             )

@@ -29,11 +29,14 @@ from lmppo.distributed import (
     check_world_size,
     data_parallel,
     device_mesh,
+    from_local_like,
     full_tensor,
     fully_shard_model,
     gather_objects,
     gathered,
+    join_shards,
     local_bytes,
+    local_part,
     rank_seed,
     seed_everything,
     shard_like,
@@ -127,6 +130,7 @@ class PPOTrainer:
         # models themselves are sharded (:meth:`_shard`) and every pass outside the update gathers them.
         self.train_module: nn.Module = PolicyAndValue(self.policy, self.value_model)
         self.sharded = group is not None and cfg.distributed.strategy == "fsdp2"
+        self.sharded_checkpoints = self.sharded and cfg.distributed.checkpoint == "sharded"
         self.comm_counter: CommCounter | None = None
         if self.sharded:
             self.comm_counter = self._shard(group)
@@ -630,16 +634,21 @@ class PPOTrainer:
         Under FSDP2 every sharded weight and optimizer state is gathered whole (one all-gather per
         tensor, in the same order on every rank), so the checkpoint is the same as one process's and
         resumes on any number of ranks and either strategy. Only rank 0, which writes, keeps the
-        tensors: the others return empty groups.
+        tensors: the others return empty groups. With ``distributed.checkpoint=sharded`` each rank
+        returns its own shards instead, as groups ``<group>-rank<r>`` that it writes itself.
         """
+        if self.sharded_checkpoints:
+            suffix, collect = f"-rank{self.rank}", lambda group: {k: local_part(v) for k, v in group.items()}
+        else:
+            suffix, collect = "", self._whole
         tensors = {
-            name: self._whole(
+            f"{name}{suffix}": collect(
                 {k: p.detach() for k, p in module.named_parameters() if p.requires_grad and id(p) not in skip}
             )
             for name, (module, skip) in self._trained_modules().items()
         }
         optimizer_tensors, optimizer_skeleton = flatten_state(self.optimizer.state_dict())
-        tensors["optimizer"] = self._whole(optimizer_tensors)
+        tensors[f"optimizer{suffix}"] = collect(optimizer_tensors)
         # Every rank's generators (each samples and shuffles its own stream); the rest of the state is
         # the same on every rank. A collective: every rank calls this, rank 0 writes.
         rng_json, rng_tensors = capture_rng_state()
@@ -658,6 +667,7 @@ class PPOTrainer:
             "scheduler": self.scheduler.state_dict(),
             "optimizer": optimizer_skeleton,
             "rng": [j for j, _ in per_rank],  # one entry per rank
+            "sharded_ranks": self.world_size if self.sharded_checkpoints else None,  # groups split per rank
         }
         return tensors, state
 
@@ -692,30 +702,46 @@ class PPOTrainer:
                 whole[name] = gathered
         return whole
 
-    def _sharded_like_params(self, optimizer_state: dict) -> dict:
-        """A saved (whole) optimizer state with each parameter's moments cut like that parameter (FSDP2
-        shards; unchanged for plain parameters). Entries are indexed in param-group order."""
+    def _saved_groups(self, tensors: dict[str, dict[str, torch.Tensor]], state: dict):
+        """The checkpoint's trained groups (``policy``, ``value``, ``optimizer``) and how a saved tensor
+        takes a parameter's layout: whole tensors are cut into this rank's shard; this rank's own saved
+        shards (a sharded checkpoint, same world size) are used as they are; every rank's saved shards
+        (another world size) are put together whole first."""
+        names = [*self._trained_modules(), "optimizer"]
+        saved_ranks = state.get("sharded_ranks")
+        if saved_ranks is None:
+            return {name: tensors[name] for name in names}, shard_like
+        if saved_ranks == self.world_size and self.sharded:
+            return {name: tensors[f"{name}-rank{self.rank}"] for name in names}, from_local_like
+        whole = {
+            name: join_shards([tensors[f"{name}-rank{r}"] for r in range(saved_ranks)]) for name in names
+        }
+        return whole, shard_like
+
+    def _optimizer_state_like_params(self, optimizer_state: dict, place) -> dict:
+        """A saved optimizer state with each parameter's moments laid out like that parameter by
+        ``place(saved, param)``. Entries are indexed in param-group order."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         for index, entry in optimizer_state["state"].items():
             for key, value in entry.items():
                 if value.dim() > 0:  # not the step count
-                    entry[key] = shard_like(value, params[index])
+                    entry[key] = place(value, params[index])
         return optimizer_state
 
     def load_state_payload(self, tensors: dict[str, dict[str, torch.Tensor]], state: dict) -> None:
+        saved, place = self._saved_groups(tensors, state)
         for name, (module, skip) in self._trained_modules().items():
             expected = {k: p for k, p in module.named_parameters() if p.requires_grad and id(p) not in skip}
-            if set(expected) != set(tensors[name]):
+            if set(expected) != set(saved[name]):
                 raise LmppoError(
-                    f"checkpoint's {name} weights do not match this model ({len(tensors[name])} saved tensors, "
+                    f"checkpoint's {name} weights do not match this model ({len(saved[name])} saved tensors, "
                     f"{len(expected)} trainable here): was it written by a run with other models or LoRA settings?"
                 )
             with torch.no_grad():
                 for key, param in expected.items():
-                    param.copy_(shard_like(tensors[name][key], param))
-        self.optimizer.load_state_dict(
-            self._sharded_like_params(unflatten_state(tensors["optimizer"], state["optimizer"]))
-        )
+                    param.copy_(place(saved[name][key], param))
+        optimizer_state = unflatten_state(saved["optimizer"], state["optimizer"])
+        self.optimizer.load_state_dict(self._optimizer_state_like_params(optimizer_state, place))
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.score_transform.load_state_dict(state["score_transform"])
