@@ -71,11 +71,21 @@ def test_a_reward_model_is_scored_with_its_own_tokenizer_and_identified(
     assert scores.shape == (1,) and torch.isfinite(scores).all()
 
 
-def test_a_critic_from_the_reward_needs_a_reward_model(run_files):
+def test_a_critic_from_the_reward_needs_a_reward_model_with_the_policys_vocabulary(
+    tmp_path, make_reward_model, reward_tokenizer, run_files
+):
     cfg = load_config(run_files, ["models.value.init_from=reward"])
-    policy = load_models(load_config(run_files), torch.device("cpu")).policy
+    models = load_models(load_config(run_files), torch.device("cpu"))
+    no_model = load_reward(cfg.reward)
     with pytest.raises(LmppoError, match="init_from=policy"):
-        load_value_model(cfg, policy, None, "cpu")
+        load_value_model(cfg, models.policy, no_model, models.tokenizer, "cpu")
+    # a reward model with its own vocabulary would be fed the policy's token ids: refused, not an IndexError
+    make_reward_model(reward_tokenizer).save_pretrained(tmp_path / "rm")
+    reward_tokenizer.save_pretrained(tmp_path / "rm")
+    rm = [f"reward.model.path={tmp_path / 'rm'}", "reward.function=null"]
+    cfg = load_config(run_files, ["models.value.init_from=reward", *rm])
+    with pytest.raises(LmppoError, match="own tokenizer with another vocabulary.*init_from=policy"):
+        load_value_model(cfg, models.policy, load_reward(cfg.reward), models.tokenizer, "cpu")
 
 
 def dtypes(module):

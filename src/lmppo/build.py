@@ -100,18 +100,24 @@ def load_reward(
     return LoadedReward(scorer, model, identity)
 
 
-def load_value_model(cfg: Config, policy: nn.Module, reward_model: nn.Module | None, device) -> ValueModel:
+def load_value_model(cfg: Config, policy: nn.Module, reward: LoadedReward, tokenizer, device) -> ValueModel:
     """The critic ``models.value`` describes: a head on the policy's trunk, or a separate network."""
     v = cfg.models.value
     if v.mode == "shared":
         return ValueModel.shared_trunk(policy).to(device)
     if v.init_from == "reward":
-        if reward_model is None:
+        if reward.model is None:
             raise LmppoError(
                 "models.value.init_from=reward needs a reward model (reward.model); "
                 "with a programmatic reward use models.value.init_from=policy"
             )
-        value = ValueModel.from_reward_model(reward_model)
+        if reward.reward.tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise LmppoError(
+                f"models.value.init_from=reward: the critic reads the policy's token ids, but the reward model "
+                f"({cfg.reward.model.path}) has its own tokenizer with another vocabulary; set "
+                "models.value.init_from=policy (or models.value.mode=shared)"
+            )
+        value = ValueModel.from_reward_model(reward.model)
     else:
         value = ValueModel.from_causal_lm(policy)
     # what is trained is fp32 master weights, also when copied from a 16-bit frozen model
@@ -152,7 +158,7 @@ def load_models(cfg: Config, device: torch.device) -> PPOModels:
         if precision == "bf16" and not m.policy_lora.enabled:
             reference.to(torch.bfloat16)  # frozen: 2 bytes per parameter
     reward = load_reward(cfg.reward, device, precision)
-    value = load_value_model(cfg, policy, reward.model, device)
+    value = load_value_model(cfg, policy, reward, tokenizer, device)
     if cfg.ppo.gradient_checkpointing:
         enable_gradient_checkpointing(policy)
         if not value.shared_trunk:
