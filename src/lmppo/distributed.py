@@ -308,7 +308,7 @@ def from_local_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     ``local`` itself when ``like`` is a plain tensor."""
     if not isinstance(like, DTensor):
         return local
-    local = local.to(device=like.to_local().device, dtype=like.dtype)
+    local = local.to(device=like.device, dtype=like.dtype)
     return DTensor.from_local(
         local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
     )
