@@ -229,3 +229,11 @@ def count_good_until_rank1_dies(prompts: Sequence, responses: Sequence[str]) -> 
 
 
 LOSES_RANK1 = f"{Path(__file__).resolve()}:count_good_until_rank1_dies"
+
+
+def good_judge(prompt, response: str) -> float:
+    """A held-out judge (``data.eval_judge``): :func:`count_good` of one response."""
+    return count_good([prompt], [response])[0]
+
+
+GOOD_JUDGE = f"{Path(__file__).resolve()}:good_judge"

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import LOSES_RANK1, comparable, run_cli, toy_models, toy_trainer, write_config
+from helpers import GOOD_JUDGE, LOSES_RANK1, comparable, run_cli, toy_models, toy_trainer, write_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -298,13 +298,18 @@ def test_torchrun_fsdp2_with_lora_and_a_reward_model(run_files, make_reward_mode
         models={"policy_lora": {"enabled": True, "r": 4}},
         reward={"model": {"path": str(rm_dir)}, "function": None},
         distributed={"strategy": "fsdp2"},
+        data={"eval_prompts": str(run_files.parent / "prompts.jsonl"), "eval_judge": GOOD_JUDGE},
+        run={"eval_every": 1},
     )
     done = torchrun(str(config))
     assert done.returncode == 0, done.stderr[-4000:]
     run = run_files.parent / "run"
     records = read_metrics(run)
-    assert [r["step"] for r in records] == [1, 2]
-    assert all(math.isfinite(r["reward/rm_score"]) and r["perf/allgather_mb"] > 0 for r in records)
+    assert [r["step"] for r in records] == [0, 1, 2]  # step 0: the held-out evaluation of the start
+    assert all(math.isfinite(r["reward/rm_score"]) and r["perf/allgather_mb"] > 0 for r in records[1:])
+    # each rank evaluates its half of the held-out prompts (the policy, reference and RM gathered whole)
+    assert all(math.isfinite(r["eval/gold_score"]) and math.isfinite(r["eval/kl/ref"]) for r in records)
+    assert records[0]["eval/kl/ref"] == 0
     final = AutoModelForCausalLM.from_pretrained(run / "final")  # the adapter merged into whole weights
     base = AutoModelForCausalLM.from_pretrained(run_files.parent / "policy")
     moved = [k for k, w in final.state_dict().items() if not torch.equal(w, base.state_dict()[k])]

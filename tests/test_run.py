@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import yaml
-from helpers import comparable, run_cli, write_config
+from helpers import GOOD_JUDGE, PROMPTS, comparable, run_cli, write_config
 
 from lmppo.checkpoint import last_good_checkpoint, latest_checkpoint, load_checkpoint, unflatten_state
 from lmppo.config import load_config
@@ -101,6 +101,43 @@ def test_resume_is_exact(run_files, lora, ppo, run):
         assert all("lora_" in k for k in tensors_a)  # the adapter alone is saved
     value_a, value_b = (load_checkpoint(latest_checkpoint(d)).tensors["value"] for d in (a, b))
     assert all(torch.equal(value_a[k], value_b[k]) for k in value_a)
+
+
+def test_a_plain_run_evaluates_held_out_prompts_every_n_steps_and_resumes_exactly_across_one(run_files):
+    """``data.eval_prompts`` + ``run.eval_every`` in ``lmppo ppo``: the starting policy at step 0, then every
+    2 steps (RM score, judge, KL, length, EOS, demonstration perplexity); a run split at an evaluation
+    and resumed logs the same records as one that was not."""
+    demos = run_files.parent / "demos.jsonl"
+    demos.write_text("".join(json.dumps({"prompt": p, "response": "a good day"}) + "\n" for p in PROMPTS))
+    data = {
+        **yaml.safe_load(run_files.read_text())["data"],
+        "eval_prompts": str(run_files.parent / "prompts.jsonl"),
+        "eval_judge": GOOD_JUDGE,
+        "eval_demonstrations": str(demos),
+    }
+    straight = write_config(
+        run_files,
+        data=data,
+        run={"steps": 4, "eval_every": 2, "output_dir": str(run_files.parent / "straight")},
+    )
+    assert run_cli("ppo", str(straight)) == 0
+    records = read_metrics(run_files.parent / "straight")
+    evaluated = [r for r in records if "eval/gold_score" in r]
+    assert [r["step"] for r in evaluated] == [0, 2, 4] and [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    for record in evaluated:
+        assert {
+            "eval/reward/rm_score",
+            "eval/kl/ref",
+            "eval/response/length",
+            "eval/demo_ppl",
+        } <= record.keys()
+    assert evaluated[0]["eval/kl/ref"] == 0  # the starting policy is the reference
+    assert evaluated[-1]["eval/kl/ref"] != 0
+
+    split = write_config(straight, run={"steps": 2, "output_dir": str(run_files.parent / "split")})
+    assert run_cli("ppo", str(split)) == 0
+    assert run_cli("ppo", "--resume", str(run_files.parent / "split"), "run.steps=4") == 0
+    assert comparable(read_metrics(run_files.parent / "split")) == comparable(records)
 
 
 def test_resume_refuses_a_changed_config_unless_allowed(run_files):

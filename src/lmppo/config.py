@@ -106,6 +106,11 @@ class DataConfig(Section):
         description="'module:function' or 'file.py:function', (prompt, response) -> float: the held-out "
         "judge of `lmppo eval` (eval/gold_score), e.g. 1.0 when a response meets the target",
     )
+    eval_demonstrations: str | None = Field(
+        None,
+        description="JSONL of held-out {prompt, response} (SFT data the policy was not trained on): their "
+        "perplexity under the policy at every evaluation is the alignment tax (eval/demo_ppl)",
+    )
     split: str | None = Field(None, description="split of a DatasetDict saved with save_to_disk")
     shuffle: bool = True
     raw_prompts: bool = Field(False, description="feed prompts as plain text, without a chat template")
@@ -252,7 +257,12 @@ class RunConfig(Section):
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: all cores)")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = at the end only")
     keep_last: int = Field(2, gt=0)
-    eval_every: int = Field(0, ge=0, description="steps between held-out evaluations; 0 = off")
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="steps between held-out evaluations of data.eval_prompts (also one at step 0, the "
+        "starting policy); 0 = off",
+    )
     eval_batch_size: int = Field(32, gt=0)
 
     @model_validator(mode="after")

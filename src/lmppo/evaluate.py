@@ -31,12 +31,13 @@ from rich.table import Table
 from lmppo.build import generator_options, load_reward
 from lmppo.config import load_config
 from lmppo.core import kl_estimate
-from lmppo.data import Prompt, load_prompts
+from lmppo.data import Prompt, load_demonstrations, load_located_prompts, load_prompts
+from lmppo.distributed import all_sum, gather_objects
 from lmppo.errors import LmppoError, user_code_error
 from lmppo.models import eval_mode, load_causal_lm, load_tokenizer
 from lmppo.rollout import HFGenerator, Rollout, sequence_logprobs
 from lmppo.scoring import RewardFunction, load_function
-from lmppo.sft import response_nll
+from lmppo.sft import response_nll_sum
 
 GoldJudge = Callable[[Prompt, str], float]  # (prompt, response text) -> score, e.g. lmppo.toy.task.gold_score
 EVAL_FILE = "eval.json"
@@ -87,15 +88,18 @@ def evaluate_policy(
     slice_fn: Callable[[Prompt], str] | None = None,
     batch_size: int = 32,
     seed: int = 0,
+    group: torch.distributed.ProcessGroup | None = None,
 ) -> EvalResult:
     """Sample one response per held-out prompt and measure it (see the module docstring).
 
     ``generator_options``: :class:`HFGenerator`'s keywords, as :func:`lmppo.build.generator_options`
     gives them; ``reference``: the frozen reference for ``eval/kl/ref``; ``gold_fn``: a per-row gold
     judge; ``demonstrations``: held-out {"prompt", "response"} rows for ``eval/demo_ppl``; ``slice_fn``:
-    a prompt's slice name (e.g. ``lambda p: task_of(p).kind``) for per-slice means.
+    a prompt's slice name (e.g. ``lambda p: task_of(p).kind``) for per-slice means. With a process
+    ``group`` each rank passes its own share of prompts and demonstrations; rows and sums are gathered,
+    so every rank returns the same, global result.
     """
-    if not prompts:
+    if not prompts and group is None:
         raise LmppoError("evaluation: no held-out prompts; check data.eval_prompts")
     generator = HFGenerator(policy, tokenizer, **generator_options)
     rows = []
@@ -103,11 +107,51 @@ def evaluate_policy(
         for start in range(0, len(prompts), batch_size):
             rollout = generator.generate(prompts[start : start + batch_size], policy_version=0)
             rows += _measure(rollout, reward_fn, policy, reference, gold_fn, slice_fn)
+    rows = [row for rank_rows in gather_objects(rows, group) for row in rank_rows]
     metrics = _means(rows)
-    if demonstrations:
+    if demonstrations is not None:
         with eval_mode(policy):
-            metrics["eval/demo_ppl"] = math.exp(response_nll(policy, tokenizer, demonstrations, batch_size))
+            nll = (
+                response_nll_sum(policy, tokenizer, demonstrations, batch_size)
+                if demonstrations
+                else (0.0, 0)
+            )
+        total, count = all_sum(torch.tensor(nll, dtype=torch.float64), group).tolist()
+        metrics["eval/demo_ppl"] = math.exp(total / max(count, 1))
     return EvalResult(metrics=metrics, rows=rows, slices=_slice_means(rows) if slice_fn else {})
+
+
+def run_evaluator(
+    cfg, models, rank: int = 0, world_size: int = 1, group=None
+) -> Callable[[], dict[str, float]]:
+    """The held-out evaluation ``lmppo ppo`` runs every ``run.eval_every`` steps, from the config:
+    ``data.eval_prompts`` scored by the run's reward and ``data.eval_judge``, KL to the reference,
+    ``data.eval_demonstrations``' perplexity. Each rank takes every ``world_size``-th prompt and
+    demonstration; the metrics are global. Sampling draws from its own seeded stream (training's
+    RNG is untouched), with the same seed every time, so evaluations differ only by the policy."""
+    prompts = [prompt for _, prompt in load_located_prompts(cfg.data.eval_prompts)][rank::world_size]
+    gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
+    demonstrations = None
+    if cfg.data.eval_demonstrations:
+        pairs = load_demonstrations(cfg.data.eval_demonstrations)[rank::world_size]
+        demonstrations = [{"prompt": prompt, "response": response} for prompt, response in pairs]
+
+    def evaluate() -> dict[str, float]:
+        return evaluate_policy(
+            models.policy,
+            models.tokenizer,
+            prompts,
+            reward_fn=models.reward,
+            reference=models.reference,
+            gold_fn=gold_fn,
+            demonstrations=demonstrations,
+            generator_options=generator_options(cfg),
+            batch_size=cfg.run.eval_batch_size,
+            seed=cfg.run.seed,
+            group=group,
+        ).metrics
+
+    return evaluate
 
 
 @contextlib.contextmanager

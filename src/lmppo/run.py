@@ -45,6 +45,7 @@ from lmppo.distributed import (
     seed_everything,
 )
 from lmppo.errors import Interrupted, LmppoError, UserCodeError
+from lmppo.evaluate import run_evaluator
 from lmppo.guards import Guards
 from lmppo.metrics import MetricsLogger, ProgressDisplay, reduce_metrics
 from lmppo.models import resolve_precision
@@ -96,8 +97,10 @@ def train(
 ) -> Path:
     """Run (or resume) PPO as configured; returns the run directory. Raises LmppoError on a guard abort.
 
-    ``evaluator_factory(models)`` gives the held-out evaluation run every ``run.eval_every`` steps; its
-    ``eval/*`` metrics join that step's record (and the ``reward_without_eval`` guard). A run whose memory
+    ``evaluator_factory(models)`` gives the held-out evaluation run every ``run.eval_every`` steps (by
+    default :func:`lmppo.evaluate.run_evaluator`, when ``data.eval_prompts`` is set); its ``eval/*``
+    metrics join that step's record (and the ``reward_without_eval`` guard), and a first evaluation of
+    the starting policy is logged as step 0. A run whose memory
     plan does not fit the device is refused before any model is loaded, unless ``force``.
     """
     device = resolve_device(cfg.run.device)
@@ -164,7 +167,13 @@ def _train(
     )
     for where, prompt in located_prompts:  # a bad prompt is named by its file and line now, not at some step
         trainer.generator.query_ids(prompt, where)
-    evaluator = evaluator_factory(models) if evaluator_factory else None
+    evaluator = (
+        evaluator_factory(models)
+        if evaluator_factory
+        else run_evaluator(cfg, models, dist_info.rank, dist_info.world_size, dist_info.group)
+        if cfg.data.eval_prompts and cfg.run.eval_every
+        else None
+    )
     if dist_info.world_size > 1:
         seed_everything(rank_seed(cfg.run.seed, dist_info.rank))  # then each rank samples its own responses
     guards = Guards(cfg.guards)
@@ -243,6 +252,15 @@ def _train(
             cfg.run.steps, quiet=cfg.logging.quiet, start_step=trainer.step_count, enabled=dist_info.is_main
         ) as progress,
     ):
+
+        def evaluate() -> dict[str, float]:
+            """Held-out eval/* metrics of the current policy, global (in its own RNG stream: the
+            training draws stay as they were)."""
+            with trainer.autocast(), gathered(models.policy, models.reference, models.reward_model):
+                return evaluator()
+
+        if evaluator is not None and cfg.run.eval_every and checkpoint is None:
+            logger.log(0, evaluate())  # the starting policy: what every later evaluation is read against
         while trainer.step_count < cfg.run.steps:
             try:
                 metrics = trainer.step()
@@ -253,9 +271,7 @@ def _train(
                     f"`lmppo ppo --resume {run_dir}`"
                 ) from None
             if evaluator is not None and cfg.run.eval_every and trainer.step_count % cfg.run.eval_every == 0:
-                # in its own RNG stream: the training draws stay as they were
-                with trainer.autocast(), gathered(models.policy, models.reference, models.reward_model):
-                    metrics.update(evaluator())
+                metrics.update(evaluate())
             metrics = reduce_metrics(metrics, dist_info.group)
             logger.log(trainer.step_count, metrics)
             progress.update(trainer.step_count, metrics)

@@ -106,13 +106,25 @@ def response_nll(
     chat_template: str | None = None,
 ) -> float:
     """Mean NLL per response token (EOS included) on held-out demonstrations; exp() is the perplexity."""
+    total, count = response_nll_sum(model, tokenizer, examples, batch_size, chat_template)
+    return total / max(count, 1)
+
+
+def response_nll_sum(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: Sequence[dict],
+    batch_size: int = 64,
+    chat_template: str | None = None,
+) -> tuple[float, int]:
+    """(summed NLL, response tokens) over ``examples``: what ranks add up for a global mean."""
     total, count = 0.0, 0
     for start in range(0, len(examples), batch_size):
         batch = sft_batch(tokenizer, examples[start : start + batch_size], chat_template)
         n = int((batch["labels"][:, 1:] != IGNORE).sum())
         total += model(**batch).loss.item() * n
         count += n
-    return total / max(count, 1)
+    return total, count
 
 
 def run_sft(cfg) -> dict:
