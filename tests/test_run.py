@@ -11,8 +11,15 @@ import pytest
 import torch
 import yaml
 from helpers import GOOD_JUDGE, PROMPTS, comparable, run_cli, write_config
+from transformers import AutoModelForCausalLM
 
-from lmppo.checkpoint import last_good_checkpoint, latest_checkpoint, load_checkpoint, unflatten_state
+from lmppo.checkpoint import (
+    best_checkpoint,
+    last_good_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    unflatten_state,
+)
 from lmppo.config import load_config
 from lmppo.errors import LmppoError
 from lmppo.metrics import read_metrics
@@ -134,10 +141,22 @@ def test_a_plain_run_evaluates_held_out_prompts_every_n_steps_and_resumes_exactl
     assert evaluated[0]["eval/kl/ref"] == 0  # the starting policy is the reference
     assert evaluated[-1]["eval/kl/ref"] != 0
 
+    # best: the first step with the highest judge score, kept as a checkpoint and exported when earlier
+    scores = [r["eval/gold_score"] for r in evaluated]
+    best_step = evaluated[scores.index(max(scores))]["step"]
+    run_dir = run_files.parent / "straight"
+    assert best_checkpoint(run_dir).name == f"step-{best_step:06d}"
+    assert (run_dir / "best").is_dir() == (best_step != 4)
+    if best_step != 4:
+        best_weights = load_checkpoint(best_checkpoint(run_dir)).tensors["policy"]
+        exported = AutoModelForCausalLM.from_pretrained(run_dir / "best").state_dict()
+        assert all(torch.equal(exported[k], best_weights[k]) for k in best_weights)
+
     split = write_config(straight, run={"steps": 2, "output_dir": str(run_files.parent / "split")})
     assert run_cli("ppo", str(split)) == 0
     assert run_cli("ppo", "--resume", str(run_files.parent / "split"), "run.steps=4") == 0
     assert comparable(read_metrics(run_files.parent / "split")) == comparable(records)
+    assert best_checkpoint(run_files.parent / "split").name == best_checkpoint(run_dir).name
 
 
 def test_resume_refuses_a_changed_config_unless_allowed(run_files):

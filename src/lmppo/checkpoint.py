@@ -32,6 +32,7 @@ from lmppo.errors import LmppoError
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
+BEST_FILE = "best"  # names the checkpoint with the best held-out score
 STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
 TENSOR_SUFFIX = ".safetensors"
@@ -275,13 +276,15 @@ def save_checkpoint(
     tag: str = "ok",
     keep_last: int,
     adopt: list[Path] = (),
+    best: bool = False,
 ) -> Path:
     """Write ``checkpoints_dir/step-NNNNNN`` atomically, point ``latest`` at it, prune old ones.
 
     ``manifest`` must hold ``config`` (resolved, JSON-able), ``identities`` (the four models) and
     ``world_size``; step, tag, time, versions and file hashes are added here. ``keep_last``: keep the
-    newest K checkpoints plus the newest ``ok`` one. Re-saving an existing step replaces it. ``adopt``:
-    tensor files other processes wrote (a sharded save's ranks), moved into the checkpoint and hashed.
+    newest K checkpoints plus the newest ``ok`` one (and the ``best`` one). Re-saving an existing step
+    replaces it. ``adopt``: tensor files other processes wrote (a sharded save's ranks), moved into the
+    checkpoint and hashed. ``best``: point ``best`` at this checkpoint too.
     """
     if tag not in TAGS:
         raise ValueError(f"checkpoint tag {tag!r} must be one of {TAGS}")
@@ -310,15 +313,18 @@ def save_checkpoint(
         _remove(final)
     os.rename(staging, final)
     _fsync_dir(checkpoints_dir)
-    _point_latest_at(checkpoints_dir, final.name)  # last: the checkpoint is now committed
+    _point_at(checkpoints_dir, LATEST_FILE, final.name)  # last: the checkpoint is now committed
+    if best:
+        _point_at(checkpoints_dir, BEST_FILE, final.name)
     _prune(checkpoints_dir, keep_last, just_saved=final)
     return final
 
 
-def _point_latest_at(checkpoints_dir: Path, name: str) -> None:
-    tmp = checkpoints_dir / f"{_TMP_PREFIX}{LATEST_FILE}-{uuid.uuid4().hex[:8]}"
+def _point_at(checkpoints_dir: Path, pointer: str, name: str) -> None:
+    """Atomically make the file ``pointer`` (``latest``, ``best``) name checkpoint ``name``."""
+    tmp = checkpoints_dir / f"{_TMP_PREFIX}{pointer}-{uuid.uuid4().hex[:8]}"
     _write_synced(tmp, name + "\n")
-    os.replace(tmp, checkpoints_dir / LATEST_FILE)
+    os.replace(tmp, checkpoints_dir / pointer)
     _fsync_dir(checkpoints_dir)
 
 
@@ -328,7 +334,8 @@ def _prune(checkpoints_dir: Path, keep_last: int, just_saved: Path) -> None:
     for leftover in checkpoints_dir.glob(f"{_TMP_PREFIX}*"):
         shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
     checkpoints = _checkpoint_dirs(checkpoints_dir)
-    keep = {*checkpoints[-keep_last:], _newest_complete(checkpoints_dir, tag="ok"), just_saved}
+    best = best_checkpoint(checkpoints_dir.parent)
+    keep = {*checkpoints[-keep_last:], _newest_complete(checkpoints_dir, tag="ok"), just_saved, best}
     for path in checkpoints:
         if path not in keep:
             _remove(path)
@@ -400,6 +407,16 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     if pointed is not None and _CHECKPOINT_NAME.fullmatch(pointed.name) and _is_complete(pointed):
         return pointed
     return _newest_complete(checkpoints_dir)
+
+
+def best_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint ``best`` names (the best held-out score so far), or None."""
+    checkpoints_dir = Path(run_dir) / CHECKPOINTS_DIR
+    try:
+        pointed = checkpoints_dir / (checkpoints_dir / BEST_FILE).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return pointed if _CHECKPOINT_NAME.fullmatch(pointed.name) and _is_complete(pointed) else None
 
 
 def last_good_checkpoint(run_dir: str | Path) -> Path | None:

@@ -23,9 +23,11 @@ from lmppo.build import PPOModels, load_models, load_policy
 from lmppo.checkpoint import (
     CHECKPOINTS_DIR,
     Checkpoint,
+    best_checkpoint,
     check_compatible,
     last_good_checkpoint,
     latest_checkpoint,
+    load_checkpoint,
     load_intact_checkpoint,
     save_checkpoint,
     shard_scratch_dir,
@@ -41,6 +43,7 @@ from lmppo.distributed import (
     distributed_session,
     full_tensor,
     gathered,
+    join_shards,
     rank_seed,
     seed_everything,
 )
@@ -184,13 +187,17 @@ def _train(
         "memory_plan": {"peak_bytes": plan.peak, "available_bytes": plan.available, "fits": plan.fits},
     }
 
-    def save(tag: str) -> Path | None:
+    best: dict = dict(checkpoint.state.get("best") or {}) if checkpoint else {}  # step, metric, score
+
+    def save(tag: str, is_best: bool = False) -> Path | None:
         """Called on every rank (the RNG states are gathered); rank 0 writes. Returns the path on rank 0.
+        ``is_best``: this step has the best held-out score so far (``best`` points at it).
 
         With sharded checkpoints every rank first writes its own shards next to the checkpoint-to-be;
         rank 0 then moves them in, hashes them with its own files and commits the whole checkpoint."""
         tensors, state = trainer.state_payload()
         state["guards"] = guards.state_dict()
+        state["best"] = best or None
         adopt: list[Path] = []
         if trainer.sharded_checkpoints:
             scratch = shard_scratch_dir(run_dir / CHECKPOINTS_DIR, trainer.step_count)
@@ -212,6 +219,7 @@ def _train(
                 tag=tag,
                 keep_last=cfg.run.keep_last,
                 adopt=adopt,
+                best=is_best,
             )
         if trainer.sharded_checkpoints:
             barrier(
@@ -235,8 +243,26 @@ def _train(
         run_dir.mkdir(parents=True, exist_ok=True)
     if dist_info.is_main:  # the settings the run goes on with, for the next plain --resume
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    if checkpoint is None:
-        save("ok")  # step 0: the pre-PPO bundle is the first last-known-good checkpoint
+
+    def evaluate() -> dict[str, float]:
+        """Held-out eval/* metrics of the current policy, global (in its own RNG stream: the
+        training draws stay as they were)."""
+        with trainer.autocast(), gathered(models.policy, models.reference, models.reward_model):
+            return evaluator()
+
+    def improves_best(metrics: dict[str, float]) -> bool:
+        """Whether this step's held-out score (the judge's, else the RM's) beats every earlier one; if so
+        it becomes the best. The seeds stop on held-out quality, not on the training reward."""
+        metric = "eval/gold_score" if "eval/gold_score" in metrics else "eval/reward/rm_score"
+        if metric not in metrics or (best and metrics[metric] <= best["score"]):
+            return False
+        best.update(step=trainer.step_count, metric=metric, score=metrics[metric])
+        return True
+
+    evaluating = evaluator is not None and cfg.run.eval_every > 0
+    start_eval = evaluate() if evaluating and checkpoint is None else None  # the starting policy, step 0
+    if checkpoint is None:  # step 0: the pre-PPO bundle is the first last-known-good checkpoint
+        save("ok", is_best=start_eval is not None and improves_best(start_eval))
 
     with (
         StopOnSignal() as stop,  # outermost: a signal during the other exits only sets its flag
@@ -252,15 +278,9 @@ def _train(
             cfg.run.steps, quiet=cfg.logging.quiet, start_step=trainer.step_count, enabled=dist_info.is_main
         ) as progress,
     ):
-
-        def evaluate() -> dict[str, float]:
-            """Held-out eval/* metrics of the current policy, global (in its own RNG stream: the
-            training draws stay as they were)."""
-            with trainer.autocast(), gathered(models.policy, models.reference, models.reward_model):
-                return evaluator()
-
-        if evaluator is not None and cfg.run.eval_every and checkpoint is None:
-            logger.log(0, evaluate())  # the starting policy: what every later evaluation is read against
+        if start_eval is not None:
+            logger.log(0, start_eval)  # what every later evaluation is read against
+        improved = False
         while trainer.step_count < cfg.run.steps:
             try:
                 metrics = trainer.step()
@@ -270,7 +290,7 @@ def _train(
                     f"{latest_checkpoint(run_dir)}, is intact: fix the code and continue with "
                     f"`lmppo ppo --resume {run_dir}`"
                 ) from None
-            if evaluator is not None and cfg.run.eval_every and trainer.step_count % cfg.run.eval_every == 0:
+            if evaluating and trainer.step_count % cfg.run.eval_every == 0:
                 metrics.update(evaluate())
             metrics = reduce_metrics(metrics, dist_info.group)
             logger.log(trainer.step_count, metrics)
@@ -291,13 +311,21 @@ def _train(
                     f"{path or 'the checkpoint'}; continue with `lmppo ppo --resume {run_dir}`",
                     received.value,
                 )
+            improved = guards.healthy and improves_best(metrics)  # a best step is a last good one too
             every = cfg.run.checkpoint_every
-            if every and trainer.step_count % every == 0 and trainer.step_count < cfg.run.steps:
-                save("ok" if guards.healthy else "unhealthy")  # only a healthy step is a last good one
-    save("ok" if guards.healthy else "unhealthy")
+            periodic = every and trainer.step_count % every == 0
+            if (improved or periodic) and trainer.step_count < cfg.run.steps:  # the last step saves below
+                save("ok" if guards.healthy else "unhealthy", is_best=improved)  # only healthy is last good
+    save("ok" if guards.healthy else "unhealthy", is_best=improved)
     policy = whole_policy(cfg, models, device, dist_info.is_main) if trainer.sharded else models.policy
     if dist_info.is_main:
         export_final(run_dir / "final", policy, models.tokenizer, cfg)
+        if best and best["step"] != trainer.step_count:  # the held-out best is an earlier policy
+            best_policy = checkpointed_policy(cfg, device, best_checkpoint(run_dir))
+            held_out = f"the best {best['metric']} on the held-out prompts ({best['score']:.4g})"
+            export_final(
+                run_dir / "best", best_policy, models.tokenizer, cfg, f"step {best['step']}: {held_out}"
+            )
     barrier(dist_info.group)  # no rank leaves (and tears the group down) before the final model is written
     return run_dir
 
@@ -372,8 +400,26 @@ def whole_policy(cfg: Config, models: PPOModels, device: torch.device, is_main: 
     return policy
 
 
-def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config) -> Path:
-    """The trained policy as a plain transformers directory, with our decoding settings and a model card."""
+def checkpointed_policy(cfg: Config, device: torch.device, path: Path) -> nn.Module:
+    """A plain copy of the policy with the trained weights the checkpoint at ``path`` holds (whole, or
+    put together from a sharded checkpoint's per-rank files), on the CPU."""
+    saved = load_checkpoint(path)
+    ranks = saved.state.get("sharded_ranks")
+    weights = (
+        join_shards([saved.tensors[f"policy-rank{r}"] for r in range(ranks)])
+        if ranks
+        else saved.tensors["policy"]
+    )
+    policy = load_policy(cfg, resolve_precision(cfg.run.precision, device))
+    unexpected = policy.load_state_dict(weights, strict=False).unexpected_keys
+    if unexpected:
+        raise LmppoError(f"checkpoint {path} holds policy weights this model does not have: {unexpected[:3]}")
+    return policy
+
+
+def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config, which: str = "") -> Path:
+    """The trained policy as a plain transformers directory, with our decoding settings and a model card;
+    ``which`` says which of the run's policies it is when not the last (``best/``)."""
     if isinstance(policy, PeftModel):
         policy = policy.merge_and_unload()  # training is over: fold the adapter into the weights
     policy.generation_config = GenerationConfig(
@@ -393,9 +439,11 @@ def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config) -> Pa
         if cfg.kl.adaptive
         else f"fixed beta = {cfg.kl.beta}"
     )
+    which = f"- This is the policy after {which}; the run's last policy is in `final/`\n" if which else ""
     (out_dir / "README.md").write_text(
         f"# PPO policy trained with lmppo\n\n"
         f"- Started from: `{cfg.models.policy.path}` (reference: the starting weights)\n"
+        f"{which}"
         f"- Reward: {reward}; preprocessing: missing-EOS penalty {cfg.reward.missing_eos_penalty}, "
         f"clip {cfg.reward.clip}, normalize {cfg.reward.normalize}\n"
         f"- KL: {cfg.kl.estimator} estimator per token in the reward, {kl}\n"
