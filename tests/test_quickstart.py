@@ -7,6 +7,7 @@ import pytest
 import yaml
 from helpers import run_cli
 
+from lmppo.diagnose import diagnose_run
 from lmppo.quickstart import run_quickstart
 
 
@@ -25,6 +26,15 @@ def test_fast_quickstart_improves_gold_score_with_an_accurate_reward_model(tmp_p
     embedded = re.findall(r"<img alt='([^']+)' src='data:image/png;base64,", html)
     assert pngs and sorted(embedded) == pngs  # every plot is in the self-contained page
     assert (run_dir / "final" / "generation_config.json").is_file()
+    assert diagnose_run(run_dir) == []  # a healthy run: no failure mode in its metrics
+
+
+@pytest.mark.slow
+def test_the_beta_0_quickstart_is_diagnosed_as_over_optimisation(tmp_path):
+    """No KL anchor: the training RM score climbs while the held-out gold score falls (the README's run)."""
+    assert run_cli("quickstart", "--beta", "0", "--out", str(tmp_path / "qs")) == 0
+    findings = {finding.rule: finding for finding in diagnose_run(tmp_path / "qs" / "ppo")}
+    assert "over_optimisation" in findings and "eval/gold_score" in findings["over_optimisation"].evidence
 
 
 def test_train_rm_rejects_a_row_without_chosen(tmp_path, capsys):

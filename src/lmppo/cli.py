@@ -197,6 +197,18 @@ def quickstart(
 
 
 @app.command()
+def diagnose(run_dir: Path = typer.Argument(..., help="A run directory (holds metrics.jsonl).")) -> None:
+    """Read a run's metrics against the known PPO failure modes: evidence, likely cause, what to change."""
+    from lmppo.diagnose import diagnose_run
+
+    findings = diagnose_run(run_dir)
+    for finding in findings:
+        print(f"- {finding}")  # stdout: a result
+    if not findings:
+        print(f"{run_dir}: no known failure mode in its metrics")
+
+
+@app.command()
 def report(
     run_dir: Path = typer.Argument(..., help="A run directory (holds metrics.jsonl)."),
     compare: list[Path] | None = typer.Option(None, "--compare", help="Other runs to overlay on the curves."),

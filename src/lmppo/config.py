@@ -301,6 +301,45 @@ class DistributedConfig(Section):
     )
 
 
+class DiagnosisConfig(Section):
+    """Thresholds of the failure-mode rules of ``lmppo diagnose`` (lmppo.diagnose; defaults from the seeds)."""
+
+    min_steps: int = Field(5, gt=1, description="steps of its metrics a rule needs before it judges")
+    window: float = Field(
+        0.25, gt=0, le=0.5, description="share of the steps averaged at each end of a trend"
+    )
+    kl_hacking_nats: float = Field(
+        10.0,
+        gt=0,
+        description="kl/ref above this is the usual sign of reward hacking (the seeds: 10-20 nats)",
+    )
+    reward_rise_std: float = Field(
+        1.0, gt=0, description="a trend in reward/rm_score counts when it exceeds this many std of its values"
+    )
+    held_out_keep: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="over-optimisation when the last held-out score kept less than this share of its best gain",
+    )
+    clip_frac_low: float = Field(
+        0.005, ge=0, description="policy/clip_frac this low means the updates are tiny"
+    )
+    clip_frac_high: float = Field(
+        0.3, gt=0, description="above this the batch is over-used (the seeds: ~0.3)"
+    )
+    entropy_floor: float = Field(
+        0.2, gt=0, lt=1, description="entropy below this share of its start: collapse"
+    )
+    truncated_frac_high: float = Field(
+        0.5, gt=0, le=1, description="share of responses cut at max_new_tokens"
+    )
+    length_shrink: float = Field(0.3, gt=0, lt=1, description="response length below this share of its start")
+    value_loss_growth: float = Field(
+        5.0, gt=1, description="value/loss growing this many times: the critic diverges"
+    )
+
+
 class LoggingConfig(Section):
     sinks: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl"]
     quiet: bool = Field(False, description="plain log lines instead of a live progress display")
@@ -317,6 +356,7 @@ class Config(Section):
     guards: GuardsConfig = GuardsConfig()
     run: RunConfig = RunConfig()
     distributed: DistributedConfig = DistributedConfig()
+    diagnosis: DiagnosisConfig = DiagnosisConfig()
     logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")

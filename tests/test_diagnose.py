@@ -1,0 +1,104 @@
+"""The failure-mode rules: each fires on a metric history built for it and stays silent on a healthy one."""
+
+import math
+
+import pytest
+from helpers import run_cli
+
+from lmppo.config import DiagnosisConfig
+from lmppo.diagnose import RULES, diagnose
+
+STEPS = 40
+
+
+def healthy(step: int) -> dict:
+    """A run that learns: reward and held-out score up together, KL a few nats, entropy easing, the critic
+    catching up, clip fraction around 0.1, lengths steady."""
+    t = step / STEPS
+    record = {
+        "step": step,
+        "reward/rm_score": 2.0 * t + 0.05 * math.sin(step),
+        "kl/ref": 4.0 * t,
+        "policy/clip_frac": 0.1,
+        "policy/entropy": 2.0 - 0.5 * t,
+        "value/explained_var": -0.5 + t,
+        "value/loss": 0.5 - 0.3 * t,
+        "response/length": 10.0 + math.sin(step),
+        "response/truncated_frac": 0.05,
+        "lag/policy_versions": 0.0,
+    }
+    if step % 10 == 0:
+        record["eval/gold_score"] = 1.5 + 0.5 * t
+    return record
+
+
+def history(**changes) -> list[dict]:
+    """The healthy history with some metrics replaced by ``metric=fn(step)``."""
+    records = [healthy(step) for step in range(1, STEPS + 1)]
+    for record in records:
+        for metric, value in changes.items():
+            name = metric.replace("__", "/")
+            if name.startswith("eval/") and name not in record:
+                continue
+            record[name] = value(record["step"])
+    return [{"step": 0, "eval/gold_score": 1.5}, *records]
+
+
+CASES = {
+    "over_optimisation": history(
+        eval__gold_score=lambda s: 1.5 + 0.1 * min(s, 10) / 10 - 0.7 * max(s - 10, 0) / 30
+    ),
+    "kl_explosion": history(kl__ref=lambda s: 3.0 * s),
+    "reward_flat": history(reward__rm_score=lambda s: 0.01 * math.sin(s), policy__clip_frac=lambda s: 0.0),
+    "critic_weak": history(value__explained_var=lambda s: -0.8),
+    "entropy_collapse": history(policy__entropy=lambda s: 2.0 * math.exp(-s / 5)),
+    "length_drift": history(response__truncated_frac=lambda s: min(1.0, s / 20)),
+    "stale_batches": history(policy__clip_frac=lambda s: 0.45),
+}
+
+
+def test_a_healthy_run_has_no_finding():
+    assert diagnose(history()) == []
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_each_rule_fires_on_its_failure_and_names_the_evidence_and_the_fix(rule):
+    findings = {finding.rule: finding for finding in diagnose(CASES[rule])}
+    assert rule in findings, findings
+    finding = findings[rule]
+    assert finding.steps[0] <= finding.steps[1] and finding.cause and finding.fix
+    assert any(char.isdigit() for char in finding.evidence)  # the numbers, not only words
+    assert "." in finding.fix or "=" in finding.fix  # config keys to change
+
+
+def test_every_rule_has_a_case_and_thresholds_come_from_the_config():
+    assert {rule.__name__ for rule in RULES} == set(CASES)
+    lenient = DiagnosisConfig(clip_frac_high=0.5)
+    assert "stale_batches" not in {f.rule for f in diagnose(CASES["stale_batches"], lenient)}
+
+
+def test_too_short_a_history_is_not_judged():
+    assert diagnose(CASES["entropy_collapse"][:3]) == []
+
+
+def test_more_failures_and_other_length_modes():
+    shrinking = history(response__length=lambda s: 10.0 * math.exp(-s / 8))
+    assert "length_drift" in {f.rule for f in diagnose(shrinking)}
+    diverging = history(value__loss=lambda s: 0.1 * 1.2**s)
+    assert "critic_weak" in {f.rule for f in diagnose(diverging)}
+    no_eval = [
+        {k: v for k, v in r.items() if not k.startswith("eval/")} for r in history(kl__ref=lambda s: 0.5 * s)
+    ]
+    found = {f.rule: f for f in diagnose(no_eval)}
+    assert "over_optimisation" in found and "data.eval_prompts" in found["over_optimisation"].fix
+
+
+def test_lmppo_diagnose_reads_a_run_directory(tmp_path, capsys):
+    import json
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in CASES["stale_batches"]))
+    assert run_cli("diagnose", str(tmp_path)) == 0
+    assert "stale_batches (steps" in capsys.readouterr().out
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history()))
+    assert run_cli("diagnose", str(tmp_path)) == 0
+    assert "no known failure mode" in capsys.readouterr().out
