@@ -57,11 +57,15 @@ def series(records: Records, metric: str) -> list[tuple[int, float]]:
     ]
 
 
-def _window_mean(points: list[tuple[int, float]], share: float, last: bool) -> float:
-    """Mean of the first (or last) ``share`` of the points, at least one."""
+def _ends(points: list[tuple[int, float]], share: float) -> tuple[float, float]:
+    """Means of the first and of the last ``share`` of the points (at least one each): a trend's ends."""
     n = max(1, round(len(points) * share))
-    chosen = points[-n:] if last else points[:n]
-    return statistics.fmean(value for _, value in chosen)
+    return statistics.fmean(v for _, v in points[:n]), statistics.fmean(v for _, v in points[-n:])
+
+
+def _recent(points: list[tuple[int, float]], cfg: DiagnosisConfig) -> list[tuple[int, float]]:
+    """The last ``window`` share of the points, at least ``min_steps``."""
+    return points[-max(cfg.min_steps, round(len(points) * cfg.window)) :]
 
 
 def over_optimisation(records: Records, cfg: DiagnosisConfig) -> Finding | None:
@@ -81,7 +85,8 @@ def over_optimisation(records: Records, cfg: DiagnosisConfig) -> Finding | None:
                 "kl.beta",
             )
         return None
-    rise = _window_mean(train, cfg.window, last=True) - _window_mean(train, cfg.window, last=False)
+    first, final = _ends(train, cfg.window)
+    rise = final - first
     spread = statistics.pstdev(value for _, value in train) or 1.0
     start, last = held_out[0][1], held_out[-1][1]
     best_step, best_before = max(held_out[:-1], key=lambda point: point[1])
@@ -119,7 +124,8 @@ def reward_flat(records: Records, cfg: DiagnosisConfig) -> Finding | None:
     reward, clip = series(records, "reward/rm_score"), series(records, "policy/clip_frac")
     if len(reward) < cfg.min_steps or not clip:
         return None
-    rise = _window_mean(reward, cfg.window, last=True) - _window_mean(reward, cfg.window, last=False)
+    first, final = _ends(reward, cfg.window)
+    rise = final - first
     noise = statistics.pstdev(value for _, value in reward)
     clip_mean = statistics.fmean(value for _, value in clip)
     if clip_mean > cfg.clip_frac_low or abs(rise) > max(noise, 1e-12) * cfg.reward_rise_std:
@@ -137,7 +143,7 @@ def reward_flat(records: Records, cfg: DiagnosisConfig) -> Finding | None:
 
 def critic_weak(records: Records, cfg: DiagnosisConfig) -> Finding | None:
     explained = series(records, "value/explained_var")
-    recent = explained[-max(cfg.min_steps, round(len(explained) * cfg.window)) :]
+    recent = _recent(explained, cfg)
     if len(explained) >= cfg.min_steps and statistics.fmean(v for _, v in recent) < 0:
         return Finding(
             "critic_weak",
@@ -150,7 +156,7 @@ def critic_weak(records: Records, cfg: DiagnosisConfig) -> Finding | None:
     value = series(records, "value/loss")
     if len(value) < cfg.min_steps:
         return None
-    start, end = _window_mean(value, cfg.window, last=False), _window_mean(value, cfg.window, last=True)
+    start, end = _ends(value, cfg.window)
     if start <= 0 or end < cfg.value_loss_growth * start:
         return None
     return Finding(
@@ -167,7 +173,7 @@ def entropy_collapse(records: Records, cfg: DiagnosisConfig) -> Finding | None:
     entropy = series(records, "policy/entropy")
     if len(entropy) < cfg.min_steps:
         return None
-    start, end = _window_mean(entropy, cfg.window, last=False), _window_mean(entropy, cfg.window, last=True)
+    start, end = _ends(entropy, cfg.window)
     if start <= 0 or end > cfg.entropy_floor * start:
         return None
     return Finding(
@@ -185,7 +191,7 @@ def length_drift(records: Records, cfg: DiagnosisConfig) -> Finding | None:
     truncated = series(records, "response/truncated_frac")
     length = series(records, "response/length")
     if len(truncated) >= cfg.min_steps:
-        start, end = _window_mean(truncated, cfg.window, False), _window_mean(truncated, cfg.window, True)
+        start, end = _ends(truncated, cfg.window)
         if end >= cfg.truncated_frac_high and end > start:
             return Finding(
                 "length_drift",
@@ -197,7 +203,7 @@ def length_drift(records: Records, cfg: DiagnosisConfig) -> Finding | None:
                 "kl.beta",
             )
     if len(length) >= cfg.min_steps:
-        start, end = _window_mean(length, cfg.window, False), _window_mean(length, cfg.window, True)
+        start, end = _ends(length, cfg.window)
         if start > 0 and end < cfg.length_shrink * start:
             return Finding(
                 "length_drift",
@@ -212,7 +218,7 @@ def length_drift(records: Records, cfg: DiagnosisConfig) -> Finding | None:
 
 def stale_batches(records: Records, cfg: DiagnosisConfig) -> Finding | None:
     clip = series(records, "policy/clip_frac")
-    recent = clip[-max(cfg.min_steps, round(len(clip) * cfg.window)) :]
+    recent = _recent(clip, cfg)
     if len(clip) < cfg.min_steps or statistics.fmean(v for _, v in recent) <= cfg.clip_frac_high:
         return None
     lag = [v for _, v in series(records, "lag/policy_versions") if v > 0]
