@@ -97,6 +97,7 @@ def test_full_report_embeds_every_png(full_run):
         "responses.png",
         "rm_accuracy.png",
         "eval_slices.png",
+        "overoptimisation.png",
     }
     assert embedded_images(index.read_text()) == pngs  # self-contained: the page carries the same bytes
     assert all(data.startswith(b"\x89PNG") for data in pngs.values())
@@ -154,3 +155,18 @@ def test_compare_overlays_runs(tmp_path):
     assert set(embedded_images(page)) == {"scores.png"} and not (runs[1] / "report").exists()
     with pytest.raises(LmppoError, match="train first"):
         report(runs[0], compare=[tmp_path / "missing"])
+
+
+def test_the_report_opens_with_the_diagnosis_and_plots_held_out_scores_against_kl(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [
+        {"step": s, "policy/clip_frac": 0.45, "reward/rm_score": 0.1 * s}
+        | ({"eval/gold_score": 1.0 - abs(s - 4) * 0.2, "eval/kl/ref": 0.5 * s} if s % 2 == 0 else {})
+        for s in range(0, 11)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    page = report(run).read_text()
+    assert page.index("<h2>Diagnosis</h2>") < page.index("Training curves") and "stale_batches" in page
+    assert "overoptimisation.png" in embedded_images(page)
+    assert "the best evaluation, kept as best/" in page

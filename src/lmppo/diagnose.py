@@ -24,7 +24,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmppo.config import DiagnosisConfig, load_config
+import yaml
+
+from lmppo.config import DiagnosisConfig
 from lmppo.metrics import read_metrics
 
 
@@ -250,8 +252,13 @@ def diagnose(records: Records, cfg: DiagnosisConfig | None = None) -> list[Findi
     return [finding for rule in RULES if (finding := rule(records, cfg)) is not None]
 
 
+def run_thresholds(run_dir: str | Path) -> DiagnosisConfig:
+    """The ``diagnosis:`` section of the run's ``config.yaml`` (the defaults when it has none)."""
+    config = Path(run_dir) / "config.yaml"
+    section = (yaml.safe_load(config.read_text()) or {}).get("diagnosis") if config.is_file() else None
+    return DiagnosisConfig.model_validate(section or {})
+
+
 def diagnose_run(run_dir: str | Path) -> list[Finding]:
     """``lmppo diagnose RUN_DIR``: the rules on a run's ``metrics.jsonl``, with its config's thresholds."""
-    config = Path(run_dir) / "config.yaml"
-    cfg = load_config(config).diagnosis if config.is_file() else DiagnosisConfig()
-    return diagnose(read_metrics(run_dir), cfg)
+    return diagnose(read_metrics(run_dir), run_thresholds(run_dir))

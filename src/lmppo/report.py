@@ -36,6 +36,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from lmppo.diagnose import Finding, diagnose, run_thresholds
 from lmppo.errors import LmppoError
 from lmppo.evaluate import EVAL_FILE, summary_columns
 from lmppo.metrics import METRICS_FILE, read_metrics
@@ -93,6 +94,8 @@ CURVES: dict[str, tuple[str, tuple[Panel, ...]]] = {
 }
 RM_ACCURACY = "rm_accuracy"
 EVAL_SLICES = "eval_slices"
+OVEROPTIMISATION = "overoptimisation"
+HELD_OUT_SCORES = (("eval/gold_score", "held-out judge score"), ("eval/reward/rm_score", "held-out RM score"))
 LINE_STYLES = ("-", "--", ":")
 
 
@@ -131,14 +134,23 @@ def report(run_dir: str | Path, compare: Sequence[str | Path] = ()) -> Path:
     runs = _load_runs([run_dir, *map(Path, compare)])
     out = run_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
-    for name in [*CURVES, RM_ACCURACY, EVAL_SLICES]:
+    for name in [*CURVES, RM_ACCURACY, EVAL_SLICES, OVEROPTIMISATION]:
         (out / f"{name}.png").unlink(missing_ok=True)  # a figure this run no longer has must not linger
 
     evaluation = _read_json(run_dir / EVAL_FILE)
     rm_eval = _read_json(run_dir / RM_EVAL_FILE)
     config = run_dir / CONFIG_FILE
-    sections = [_evaluation_section(evaluation, out)] if evaluation else []
+    sections = [_diagnosis_section(diagnose(runs[0][1], run_thresholds(run_dir)))]
+    if evaluation:
+        sections.append(_evaluation_section(evaluation, out))
     sections.append(_curves_section(runs, out))
+    if _plot_overoptimisation(out / f"{OVEROPTIMISATION}.png", runs):
+        caption = (
+            "held-out scores against sqrt(KL to the reference) at each evaluation: under over-optimisation "
+            "the judge's score rises, then falls while KL grows (Gao et al. 2022); the star is the best "
+            "evaluation, kept as best/"
+        )
+        sections.append(_figure_html(out / f"{OVEROPTIMISATION}.png", caption))
     if rm_eval:
         sections.append(_rm_section(rm_eval, out))
     if config.is_file():
@@ -181,6 +193,14 @@ def _curves_section(runs: list[tuple[str, list[dict]]], out: Path) -> str:
         if _plot_curves(out / f"{name}.png", panels, runs)
     ]
     return "<h2>Training curves</h2>" + ("".join(figures) or "<p>No known metrics logged yet.</p>")
+
+
+def _diagnosis_section(findings: list[Finding]) -> str:
+    """The failure modes :mod:`lmppo.diagnose` finds in the run's metrics, first thing on the page."""
+    if not findings:
+        return "<h2>Diagnosis</h2><p>No known PPO failure mode in the metrics (docs/diagnosis.md).</p>"
+    items = "".join(f"<li>{_esc(str(finding))}</li>" for finding in findings)
+    return f"<h2>Diagnosis</h2><ul>{items}</ul>"
 
 
 def _evaluation_section(evaluation: dict, out: Path) -> str:
@@ -295,6 +315,49 @@ def _plot_curves(path: Path, panels: Sequence[Panel], runs: list[tuple[str, list
                         steps, values, linestyle=style, marker=marker, ms=3, color=f"C{color}", label=name
                     )
         ax.set(title=panel.title, xlabel="step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def _plot_overoptimisation(path: Path, runs: list[tuple[str, list[dict]]]) -> bool:
+    """Each held-out score against sqrt(eval/kl/ref), one colour per run, the best point starred;
+    returns False (and writes nothing) when no run evaluated KL and a score together."""
+
+    def points(records, metric):
+        return [
+            (math.sqrt(max(r["eval/kl/ref"], 0.0)), r[metric], r["step"])
+            for r in records
+            if metric in r
+            and "eval/kl/ref" in r
+            and math.isfinite(r[metric])
+            and math.isfinite(r["eval/kl/ref"])
+        ]
+
+    present = [(m, t) for m, t in HELD_OUT_SCORES if any(points(records, m) for _, records in runs)]
+    if not present:
+        return False
+    fig = Figure(figsize=(4.5 * len(present), 3.4), layout="constrained")
+    for ax, (metric, title) in zip(fig.subplots(1, len(present), squeeze=False)[0], present):
+        for color, (label, records) in enumerate(runs):
+            curve = points(records, metric)
+            if not curve:
+                continue
+            ax.plot(
+                [x for x, _, _ in curve],
+                [y for _, y, _ in curve],
+                marker="o",
+                ms=3,
+                color=f"C{color}",
+                label=label,
+            )
+            best_x, best_y, best_step = max(curve, key=lambda point: point[1])
+            ax.plot([best_x], [best_y], marker="*", ms=12, color=f"C{color}")
+            ax.annotate(
+                f"step {best_step}", (best_x, best_y), fontsize=7, xytext=(4, 4), textcoords="offset points"
+            )
+        ax.set(title=title, xlabel="sqrt(KL to reference) (nats^0.5)", ylabel=metric)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.savefig(path, dpi=100)
