@@ -324,6 +324,14 @@ def join_shards(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor
     }
 
 
+def whole_group(tensors: dict[str, dict[str, torch.Tensor]], name: str, sharded_ranks: int | None):
+    """Checkpoint group ``name`` whole: as saved, or put together from a sharded checkpoint's
+    ``<name>-rank<r>`` groups written by ``sharded_ranks`` ranks."""
+    if not sharded_ranks:
+        return tensors[name]
+    return join_shards([tensors[f"{name}-rank{r}"] for r in range(sharded_ranks)])
+
+
 def local_bytes(tensors) -> int:
     """Bytes this rank holds of ``tensors`` (its shards of DTensors; all of a plain tensor)."""
     return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)

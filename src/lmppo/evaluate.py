@@ -31,7 +31,7 @@ from rich.table import Table
 from lmppo.build import generator_options, load_reward
 from lmppo.config import load_config
 from lmppo.core import kl_estimate
-from lmppo.data import Prompt, load_demonstrations, load_located_prompts, load_prompts
+from lmppo.data import Prompt, load_demonstrations, load_prompts
 from lmppo.distributed import all_sum, gather_objects
 from lmppo.errors import LmppoError, user_code_error
 from lmppo.models import eval_mode, load_causal_lm, load_tokenizer
@@ -129,7 +129,7 @@ def run_evaluator(
     ``data.eval_demonstrations``' perplexity. Each rank takes every ``world_size``-th prompt and
     demonstration; the metrics are global. Sampling draws from its own seeded stream (training's
     RNG is untouched), with the same seed every time, so evaluations differ only by the policy."""
-    prompts = [prompt for _, prompt in load_located_prompts(cfg.data.eval_prompts)][rank::world_size]
+    prompts = load_prompts(cfg.data.eval_prompts)[rank::world_size]
     gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
     demonstrations = None
     if cfg.data.eval_demonstrations:

@@ -43,9 +43,9 @@ from lmppo.distributed import (
     distributed_session,
     full_tensor,
     gathered,
-    join_shards,
     rank_seed,
     seed_everything,
+    whole_group,
 )
 from lmppo.errors import Interrupted, LmppoError, UserCodeError
 from lmppo.evaluate import run_evaluator
@@ -170,13 +170,9 @@ def _train(
     )
     for where, prompt in located_prompts:  # a bad prompt is named by its file and line now, not at some step
         trainer.generator.query_ids(prompt, where)
-    evaluator = (
-        evaluator_factory(models)
-        if evaluator_factory
-        else run_evaluator(cfg, models, dist_info.rank, dist_info.world_size, dist_info.group)
-        if cfg.data.eval_prompts and cfg.run.eval_every
-        else None
-    )
+    evaluator = evaluator_factory(models) if evaluator_factory else None
+    if evaluator is None and cfg.data.eval_prompts and cfg.run.eval_every:  # the config's held-out evaluation
+        evaluator = run_evaluator(cfg, models, dist_info.rank, dist_info.world_size, dist_info.group)
     if dist_info.world_size > 1:
         seed_everything(rank_seed(cfg.run.seed, dist_info.rank))  # then each rank samples its own responses
     guards = Guards(cfg.guards)
@@ -389,32 +385,33 @@ def ptx_batches(
     return next_batch
 
 
+def plain_policy(
+    cfg: Config, device: torch.device, weights: dict[str, torch.Tensor], source: str
+) -> nn.Module:
+    """The starting policy built afresh on the CPU with ``weights`` (all of them, or the trained ones)
+    loaded over it; ``source`` names where they come from in an error."""
+    policy = load_policy(cfg, resolve_precision(cfg.run.precision, device))
+    unexpected = policy.load_state_dict(
+        {k: v.cpu() for k, v in weights.items()}, strict=False
+    ).unexpected_keys
+    if unexpected:
+        raise LmppoError(f"{source} holds policy weights this model does not have: {unexpected[:3]}")
+    return policy
+
+
 def whole_policy(cfg: Config, models: PPOModels, device: torch.device, is_main: bool) -> nn.Module | None:
     """An FSDP2-sharded policy's weights gathered whole into a plain copy on rank 0's CPU (every rank
     takes part in the gathering; the others get None)."""
     state = {name: full_tensor(tensor) for name, tensor in models.policy.state_dict().items()}
-    if not is_main:
-        return None
-    policy = load_policy(cfg, resolve_precision(cfg.run.precision, device))
-    policy.load_state_dict({name: tensor.cpu() for name, tensor in state.items()})
-    return policy
+    return plain_policy(cfg, device, state, "the sharded policy") if is_main else None
 
 
 def checkpointed_policy(cfg: Config, device: torch.device, path: Path) -> nn.Module:
     """A plain copy of the policy with the trained weights the checkpoint at ``path`` holds (whole, or
     put together from a sharded checkpoint's per-rank files), on the CPU."""
     saved = load_checkpoint(path)
-    ranks = saved.state.get("sharded_ranks")
-    weights = (
-        join_shards([saved.tensors[f"policy-rank{r}"] for r in range(ranks)])
-        if ranks
-        else saved.tensors["policy"]
-    )
-    policy = load_policy(cfg, resolve_precision(cfg.run.precision, device))
-    unexpected = policy.load_state_dict(weights, strict=False).unexpected_keys
-    if unexpected:
-        raise LmppoError(f"checkpoint {path} holds policy weights this model does not have: {unexpected[:3]}")
-    return policy
+    weights = whole_group(saved.tensors, "policy", saved.state.get("sharded_ranks"))
+    return plain_policy(cfg, device, weights, f"checkpoint {path}")
 
 
 def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config, which: str = "") -> Path:

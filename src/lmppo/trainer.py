@@ -34,12 +34,12 @@ from lmppo.distributed import (
     fully_shard_model,
     gather_objects,
     gathered,
-    join_shards,
     local_bytes,
     local_part,
     rank_seed,
     seed_everything,
     shard_like,
+    whole_group,
 )
 from lmppo.errors import LmppoError
 from lmppo.metrics import timed
@@ -467,9 +467,8 @@ class PPOTrainer:
             sums["ptx/loss"] = ptx_loss.item() / self.world_size  # a mean over ranks after the sum below
         for i, (micro, weight) in enumerate(zip(micro_batches, weights, strict=True)):
             stats, loss = self.micro_batch_loss(micro)
-            share = (
-                weight * micro.response_mask.sum() / global_tokens
-            )  # micro token mean -> global token mean
+            # this micro-batch's token mean, weighted by its share of the global minibatch's tokens
+            share = weight * micro.response_mask.sum() / global_tokens
             with self._no_grad_sync() if i < len(micro_batches) - 1 else nullcontext():
                 (loss * share * self.world_size).backward()
             ratio_max = max(ratio_max, stats.pop("policy/ratio_max"))
@@ -502,7 +501,7 @@ class PPOTrainer:
             micro_size = ppo.micro_batch_size // self.world_size if ppo.micro_batch_size else len(minibatch)
             micro_batches = list(length_sorted_micro_batches(minibatch, max(micro_size, 1)))
         weights = [1.0] * len(micro_batches)
-        if self.sharded:
+        if self.sharded and ppo.micro_batch_tokens:  # row counts give every rank the same number already
             missing = max(gather_objects(len(micro_batches), self.group)) - len(micro_batches)
             micro_batches += [micro_batches[-1].select(torch.tensor([0]))] * missing
             weights += [0.0] * missing
@@ -713,10 +712,7 @@ class PPOTrainer:
             return {name: tensors[name] for name in names}, shard_like
         if saved_ranks == self.world_size and self.sharded:
             return {name: tensors[f"{name}-rank{self.rank}"] for name in names}, from_local_like
-        whole = {
-            name: join_shards([tensors[f"{name}-rank{r}"] for r in range(saved_ranks)]) for name in names
-        }
-        return whole, shard_like
+        return {name: whole_group(tensors, name, saved_ranks) for name in names}, shard_like
 
     def _optimizer_state_like_params(self, optimizer_state: dict, place) -> dict:
         """A saved optimizer state with each parameter's moments laid out like that parameter by
