@@ -217,12 +217,13 @@ _scored_batches = 0
 
 
 def count_good_until_rank1_dies(prompts: Sequence, responses: Sequence[str]) -> list[float]:
-    """:func:`count_good`, except that rank 1 SIGKILLs itself in the middle of its third step (scoring),
-    once: the file ``$LOST_RANK_MARKER`` is created first, and a run that finds it scores normally."""
+    """:func:`count_good`, except that rank 1 SIGKILLs itself in the middle of its third step (scoring;
+    its first batch is the reward pre-flight's), once: the file ``$LOST_RANK_MARKER`` is created first, and
+    a run that finds it scores normally."""
     global _scored_batches
     _scored_batches += 1
     marker = Path(os.environ.get("LOST_RANK_MARKER", "/nonexistent/marker"))
-    if os.environ.get("RANK") == "1" and _scored_batches == 3 and not marker.exists():
+    if os.environ.get("RANK") == "1" and _scored_batches == 4 and not marker.exists():
         marker.touch()
         os.kill(os.getpid(), signal.SIGKILL)
     return count_good(prompts, responses)

@@ -12,7 +12,7 @@ def test_two_step_run_through_the_cli(run_files):
     assert run_cli("ppo", str(run_files)) == 0
     run_dir = run_files.parent / "run"
     records = read_metrics(run_dir)
-    assert [r["step"] for r in records] == [1, 2]
+    assert [r["step"] for r in records] == [0, 1, 2]  # step 0: the reward pre-flight of the start
     for key in (
         "reward/rm_score",
         "reward/kl_penalty",
@@ -23,7 +23,8 @@ def test_two_step_run_through_the_cli(run_files):
         "response/eos_frac",
         "perf/step_s",
     ):
-        assert all(math.isfinite(r[key]) for r in records), key
+        assert all(math.isfinite(r[key]) for r in records[1:]), key
+    assert "preflight/rm_score_mean" in records[0] and (run_dir / "preflight.json").is_file()
     assert (run_dir / "config.yaml").is_file() and load_config(run_dir / "config.yaml").run.steps == 2
     assert (run_dir / "final" / "config.json").is_file() and (
         run_dir / "final" / "generation_config.json"

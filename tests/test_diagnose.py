@@ -6,7 +6,7 @@ import pytest
 from helpers import run_cli
 
 from lmppo.config import DiagnosisConfig
-from lmppo.diagnose import RULES, diagnose
+from lmppo.diagnose import RULES, LiveDiagnosis, diagnose
 
 STEPS = 40
 
@@ -33,15 +33,17 @@ def healthy(step: int) -> dict:
 
 
 def history(**changes) -> list[dict]:
-    """The healthy history with some metrics replaced by ``metric=fn(step)``."""
-    records = [healthy(step) for step in range(1, STEPS + 1)]
+    """The healthy history with some metrics replaced by ``metric=fn(step)`` (pre-flight ones at step 0)."""
+    start = {"step": 0, "eval/gold_score": 1.5}
+    start.update({"preflight/samples": 64.0, "preflight/length_spearman": 0.1, "preflight/eos_corr": 0.05})
+    records = [start, *(healthy(step) for step in range(1, STEPS + 1))]
     for record in records:
         for metric, value in changes.items():
             name = metric.replace("__", "/")
-            if name.startswith("eval/") and name not in record:
+            if name.startswith(("eval/", "preflight/")) and name not in record:
                 continue
             record[name] = value(record["step"])
-    return [{"step": 0, "eval/gold_score": 1.5}, *records]
+    return records
 
 
 CASES = {
@@ -54,6 +56,7 @@ CASES = {
     "entropy_collapse": history(policy__entropy=lambda s: 2.0 * math.exp(-s / 5)),
     "length_drift": history(response__truncated_frac=lambda s: min(1.0, s / 20)),
     "stale_batches": history(policy__clip_frac=lambda s: 0.45),
+    "reward_bias": history(preflight__length_spearman=lambda s: 0.8),
 }
 
 
@@ -91,6 +94,24 @@ def test_more_failures_and_other_length_modes():
     ]
     found = {f.rule: f for f in diagnose(no_eval)}
     assert "over_optimisation" in found and "data.eval_prompts" in found["over_optimisation"].fix
+
+
+def test_a_reward_that_favours_cut_responses_is_a_bias_and_one_that_favours_ending_is_not():
+    assert "reward_bias" in {f.rule for f in diagnose(history(preflight__eos_corr=lambda s: -0.7))}
+    assert diagnose(history(preflight__eos_corr=lambda s: 0.7)) == []
+
+
+def test_live_diagnosis_shows_a_rule_once_per_warn_every_steps():
+    live = LiveDiagnosis(DiagnosisConfig(warn_every=10))
+    shown: dict[str, list[int]] = {}
+    for record in CASES["stale_batches"]:
+        for finding in live.add(record["step"], record):
+            shown.setdefault(finding.rule, []).append(record["step"])
+    steps = shown["stale_batches"]
+    assert len(steps) > 1 and all(b - a >= 10 for a, b in zip(steps, steps[1:]))
+    assert "stale_batches" in {f.rule for f in live.findings()}  # the whole history, for an abort message
+    silent = LiveDiagnosis(DiagnosisConfig(warn_every=None))
+    assert not any(silent.add(r["step"], r) for r in CASES["stale_batches"]) and silent.findings()
 
 
 def test_lmppo_diagnose_reads_a_run_directory(tmp_path, capsys):

@@ -342,9 +342,9 @@ def test_a_lost_rank_ends_the_job_with_the_intact_checkpoint_and_resume_continue
     checkpoint = run_files.parent / "killed" / "checkpoints" / "step-000002"
     assert "rank 0 lost rank 1" in done.stderr and f"last intact checkpoint is {checkpoint}" in done.stderr
     assert "exitcode  : -9" in done.stderr  # torchrun's summary: rank 1 was killed
-    assert [r["step"] for r in read_metrics(run_files.parent / "killed")] == [1, 2]
+    assert [r["step"] for r in read_metrics(run_files.parent / "killed")] == [0, 1, 2]
 
     assert torchrun("--resume", str(run_files.parent / "killed")).returncode == 0
     assert torchrun(str(never_killed)).returncode == 0  # the marker exists: nobody dies this time
     resumed, straight = (read_metrics(run_files.parent / name) for name in ("killed", "never-killed"))
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4] and comparable(resumed) == comparable(straight)
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4] and comparable(resumed) == comparable(straight)

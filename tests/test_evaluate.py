@@ -51,7 +51,7 @@ def perturbed(model, scale: float = 0.5, seed: int = 1):
 def test_metrics_rows_and_slices(policy_model, policy_tokenizer):
     result = evaluate(
         policy_model, policy_tokenizer, reference=copy.deepcopy(policy_model), gold_fn=says_good,
-        demonstrations=DEMOS, slice_fn=lambda prompt: prompt.split()[0],
+        demonstrations=DEMOS, slices=[prompt.split()[0] for prompt in PROMPTS],
     )  # fmt: skip
     expected = {
         "eval/reward/rm_score",

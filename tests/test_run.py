@@ -23,7 +23,8 @@ from lmppo.checkpoint import (
 from lmppo.config import load_config
 from lmppo.errors import LmppoError
 from lmppo.metrics import read_metrics
-from lmppo.run import ptx_batches, resolve_device
+from lmppo.models import resolve_device
+from lmppo.run import ptx_batches
 
 
 def test_ptx_batches_are_a_seeded_stream_of_demonstrations_per_rank(run_files, policy_tokenizer):
@@ -166,7 +167,7 @@ def test_resume_refuses_a_changed_config_unless_allowed(run_files):
     assert run_cli("ppo", "--resume", str(run_dir), "run.steps=3", "ppo.lr=0.5", "--allow-config-change") == 0
     manifest = json.loads((latest_checkpoint(run_dir) / "manifest.json").read_text())
     assert any("ppo.lr" in d for d in manifest["resumed_with_differences"])
-    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3]
 
 
 def test_an_allowed_config_change_takes_effect_and_the_next_resume_accepts_it(run_files, capsys):
@@ -217,16 +218,16 @@ def test_nan_reward_aborts_and_keeps_the_last_good_checkpoint(run_files, capsys)
         "def score(prompts, responses):\n"
         "    global calls\n"
         "    calls += 1\n"
-        "    return [float('nan') if calls >= 3 else 1.0 for _ in responses]\n"
+        "    return [float('nan') if calls >= 4 else 1.0 for _ in responses]\n"  # call 1: the pre-flight
     )
     sys.path.insert(0, str(run_files.parent))
     try:
-        assert run_cli("ppo", str(config)) == 2
+        assert run_cli("ppo", str(config)) == 3  # a guard abort: not bad input
     finally:
         sys.path.remove(str(run_files.parent))
     err = capsys.readouterr().err
     run_dir = run_files.parent / "run"
-    assert "nonfinite" in err and "last known good" in err
+    assert "nonfinite" in err and "last known good" in err and "Diagnosis of the metrics so far" in err
     aborted = latest_checkpoint(run_dir)
     assert json.loads((aborted / "manifest.json").read_text())["tag"] == "aborted"
     good = last_good_checkpoint(run_dir)
@@ -255,7 +256,8 @@ def _start_run(config, env_extra=None):
 def _wait_for_step(run_dir, step, proc, timeout=120):
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= step:
+        records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+        if records and records[-1]["step"] >= step:
             return
         time.sleep(0.05)
     raise AssertionError(
@@ -277,7 +279,7 @@ def test_sigterm_saves_and_resume_continues(run_files):
     manifest = json.loads((stopped / "manifest.json").read_text())
     assert manifest["tag"] == "interrupted" and 0 < manifest["step"] < 40
     assert run_cli("ppo", "--resume", str(run_dir), "run.steps=" + str(manifest["step"] + 1)) == 0
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, manifest["step"] + 2))
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(manifest["step"] + 2))
 
 
 @pytest.mark.slow
@@ -303,19 +305,34 @@ def test_sigkill_at_random_moments_always_resumes_from_an_intact_checkpoint(run_
     proc.wait()
     step = load_checkpoint(latest_checkpoint(run_dir)).step
     assert run_cli("ppo", "--resume", str(run_dir), f"run.steps={step + 1}") == 0
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, step + 2))
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(step + 2))
 
 
 def test_a_reward_function_that_raises_shows_its_frames_the_step_and_the_intact_checkpoint(run_files, capsys):
     (run_files.parent / "flaky.py").write_text(
-        "def score(prompts, responses):\n    return [1.0 / (len(r) - len(r)) for r in responses]\n"
+        "calls = 0\n"
+        "def score(prompts, responses):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    return [1.0 / (len(r) - len(r)) if calls > 1 else 0.0 for r in responses]\n"  # call 1: pre-flight
     )
     config = write_config(run_files, reward={"function": f"{run_files.parent / 'flaky.py'}:score"})
     assert run_cli("ppo", str(config)) == 2
     err = capsys.readouterr().err
-    assert "raised ZeroDivisionError" in err and "flaky.py" in err and "line 2" in err  # the user's frame
+    assert "raised ZeroDivisionError" in err and "flaky.py" in err and "line 5" in err  # the user's frame
     assert "stopped in step 1" in err and "step-000000" in err and "is intact" in err and "--resume" in err
     assert "Traceback (most recent call last)" not in err and "lmppo/trainer.py" not in err
+
+
+def test_a_reward_function_that_raises_in_the_preflight_stops_before_anything_is_saved(run_files, capsys):
+    (run_files.parent / "broken.py").write_text("def score(prompts, responses):\n    return 1 / 0\n")
+    config = write_config(run_files, reward={"function": f"{run_files.parent / 'broken.py'}:score"})
+    assert run_cli("ppo", str(config)) == 2
+    err = capsys.readouterr().err
+    assert "raised ZeroDivisionError" in err and "broken.py" in err and "before step 1" in err
+    assert "nothing was saved" in err and "Traceback (most recent call last)" not in err
+    assert latest_checkpoint(run_files.parent / "run") is None
+    assert run_cli("ppo", str(run_files)) == 0  # fixed (here: the original reward), the same run starts
 
 
 def test_a_reward_file_with_a_syntax_error_names_the_line(run_files, capsys):
@@ -349,7 +366,7 @@ def test_resume_past_a_damaged_newest_checkpoint_warns_and_redoes_its_steps(run_
     ):
         assert run_cli("ppo", "--resume", str(run_dir), "run.steps=3") == 0
     assert (run_dir / "checkpoints" / "damaged-step-000002").is_dir()
-    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]  # step 2 trained again, once in the log
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3]  # step 2 trained again, once in the log
 
 
 def test_checkpoints_of_steps_that_break_a_rule_in_warm_up_are_not_last_good(run_files):

@@ -51,8 +51,10 @@ RESUMABLE_KEYS = (
     "distributed.timeout_s",
     "distributed.shard_frozen",  # where frozen weights live, not what they compute
     "distributed.checkpoint",  # how checkpoints are split into files: either kind loads
+    "data.slice_key",  # read by the pre-flight only, which a resumed run does not repeat
     "logging",
     "guards",
+    "diagnosis",  # what is watched and reported, not what is trained
 )
 # What a resume cannot change, even with --allow-config-change: the trained models' starting weights and
 # their adapter and critic layout. The checkpoint's weights would replace or misfit them.

@@ -190,10 +190,27 @@ def quickstart(
     from lmppo.quickstart import run_quickstart
 
     overrides = list(overrides or [])
-    if beta is not None:  # beta 0 is the reward-hacking ablation: turn off the guards that would stop it
-        overrides += [f"kl.beta={beta}"]
-        overrides += ["guards.kl_max=null", "guards.reward_without_eval_patience=null"] if beta == 0 else []
+    if beta is not None:
+        overrides.append(f"kl.beta={beta}")
     run_quickstart(out, seed=seed, fast=fast, overrides=overrides)
+
+
+@app.command("check-rm")
+def check_rm(
+    config: Path = typer.Argument(..., help="YAML config of a PPO run (its policy, reward and prompts)."),
+    overrides: list[str] | None = typer.Argument(None, help="section.key=value overrides"),
+) -> None:
+    """The reward pre-flight without training: how the reward scores the starting policy's own samples
+    (distribution, per slice, correlation with length and with ending on EOS)."""
+    from lmppo.config import load_config
+    from lmppo.preflight import check_reward, preflight_tables, summary_line
+
+    preflight, bias = check_reward(load_config(config, list(overrides or [])))
+    out = Console()  # stdout: a result
+    for table in preflight_tables(preflight):
+        out.print(table)
+    print(summary_line(preflight))
+    print(f"- {bias}" if bias else "no length or EOS bias past the diagnosis thresholds")
 
 
 @app.command()

@@ -112,6 +112,11 @@ class DataConfig(Section):
         "perplexity under the policy at every evaluation is the alignment tax (eval/demo_ppl)",
     )
     split: str | None = Field(None, description="split of a DatasetDict saved with save_to_disk")
+    slice_key: str | None = Field(
+        "type",
+        description="the prompt-row field naming a prompt's slice (task type, source): the reward pre-flight "
+        "reports the RM score per slice when every row has it",
+    )
     shuffle: bool = True
     raw_prompts: bool = Field(False, description="feed prompts as plain text, without a chat template")
     max_prompt_length: int | None = Field(None, gt=0)
@@ -302,7 +307,30 @@ class DistributedConfig(Section):
 
 
 class DiagnosisConfig(Section):
-    """Thresholds of the failure-mode rules of ``lmppo diagnose`` (lmppo.diagnose; defaults from the seeds)."""
+    """Thresholds of the failure-mode rules of ``lmppo diagnose`` (lmppo.diagnose; defaults from the seeds),
+    how often a run shows them live, and the reward pre-flight (lmppo.preflight) before step 1."""
+
+    warn_every: int | None = Field(
+        50, gt=0, description="a rule found live is shown again only after this many steps (null: not live)"
+    )
+    preflight_batches: int = Field(
+        2,
+        ge=0,
+        description="rollout.batch_size-sized batches of the starting policy's samples the reward "
+        "pre-flight scores before step 1 (0: no pre-flight)",
+    )
+    length_corr_high: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="|Spearman| of the reward with response length that counts as a length bias",
+    )
+    eos_corr_high: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="a correlation of the reward with ending on EOS below minus this: cut responses are favoured",
+    )
 
     min_steps: int = Field(5, gt=1, description="steps of its metrics a rule needs before it judges")
     window: float = Field(

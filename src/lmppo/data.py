@@ -208,6 +208,13 @@ def load_prompts(path: str | Path, split: str | None = None) -> list[Prompt]:
     return [prompt for _, prompt in load_located_prompts(path, split)]
 
 
+def prompt_slices(path: str | Path, split: str | None, key: str | None) -> list[str] | None:
+    """Each prompt row's ``key`` field as a string (its slice: task type, source), in file order; None
+    when ``key`` is None or some row lacks it."""
+    rows = [row for _, row in _located_rows(path, split)] if key else []
+    return [str(row[key]) for row in rows] if rows and all(key in row for row in rows) else None
+
+
 def load_demonstrations(path: str | Path) -> list[tuple[Prompt, str]]:
     """``(prompt, response)`` pairs for SFT and PPO-ptx; rows need a prompt and a ``response`` string."""
     pairs = []

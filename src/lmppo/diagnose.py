@@ -14,6 +14,7 @@ None. ``lmppo diagnose RUN_DIR`` runs them all on any run directory, finished, a
 | entropy_collapse | entropy falls to a small share of its start | beta too low, no entropy term | raise `kl.beta`, a small `ppo.ent_coef` |
 | length_drift | responses run into max_new_tokens, or shrink to nothing | the reward pays for length (or brevity) | `reward.missing_eos_penalty`, a length-neutral reward, `rollout.max_new_tokens` |
 | stale_batches | clip fraction above ~0.3 | the batch is over-used or the data is stale | fewer `ppo.ppo_epochs`, lower `ppo.lr`, `rollout.max_rollout_age` |
+| reward_bias | the pre-flight's reward correlates with length or with ending on EOS | the reward carries a length or truncation bias PPO will exploit | a length-balanced RM, `reward.missing_eos_penalty`, watch `response/length` |
 """
 
 from __future__ import annotations
@@ -235,6 +236,31 @@ def stale_batches(records: Records, cfg: DiagnosisConfig) -> Finding | None:
     )
 
 
+def reward_bias(records: Records, cfg: DiagnosisConfig) -> Finding | None:
+    """The reward pre-flight (lmppo.preflight, step 0): before training, the score follows the response
+    length either way, or favours responses cut at the length limit over those that end on EOS."""
+    samples = series(records, "preflight/samples")
+    length, eos = series(records, "preflight/length_spearman"), series(records, "preflight/eos_corr")
+    if length and abs(length[0][1]) >= cfg.length_corr_high:
+        metric, field, value = "preflight/length_spearman", "length_corr_high", length[0][1]
+        favoured = "longer" if value > 0 else "shorter"
+    elif eos and eos[0][1] <= -cfg.eos_corr_high:
+        metric, field, value = "preflight/eos_corr", "eos_corr_high", eos[0][1]
+        favoured = "cut at rollout.max_new_tokens over those that end"
+    else:
+        return None
+    return Finding(
+        "reward_bias",
+        (0, 0),
+        f"{metric} = {value:+.2f} on {samples[0][1]:.0f} samples of the starting policy (|{value:.2f}| >= "
+        f"diagnosis.{field}={getattr(cfg, field):g}): the reward favours responses {favoured}",
+        "a scalar reward carries a length or truncation bias, and PPO moves the policy along it rather "
+        "than towards better answers",
+        "check the reward by length slice and retrain it on length-balanced pairs; reward.missing_eos_penalty "
+        "for cut responses; a KL anchor strong enough (kl.beta, kl.target); watch response/length",
+    )
+
+
 RULES: tuple[Callable[[Records, DiagnosisConfig], Finding | None], ...] = (
     over_optimisation,
     kl_explosion,
@@ -243,6 +269,7 @@ RULES: tuple[Callable[[Records, DiagnosisConfig], Finding | None], ...] = (
     entropy_collapse,
     length_drift,
     stale_batches,
+    reward_bias,
 )
 
 
@@ -250,6 +277,31 @@ def diagnose(records: Records, cfg: DiagnosisConfig | None = None) -> list[Findi
     """Every rule's finding on ``records`` (training steps; step 0 holds only the first evaluation)."""
     cfg = cfg or DiagnosisConfig()
     return [finding for rule in RULES if (finding := rule(records, cfg)) is not None]
+
+
+class LiveDiagnosis:
+    """The rules over a running run's history, after every logged record: :meth:`add` returns the
+    findings to show now. A rule is shown again only ``diagnosis.warn_every`` steps after it last was
+    (its numbers change every step; its message would not)."""
+
+    def __init__(self, cfg: DiagnosisConfig, records: Records = ()) -> None:
+        self.cfg, self.records = cfg, list(records)
+        self.shown_at: dict[str, int] = {}
+
+    def add(self, step: int, metrics: dict[str, float]) -> list[Finding]:
+        self.records.append({"step": step, **metrics})
+        if self.cfg.warn_every is None:
+            return []
+        due = [
+            finding
+            for finding in self.findings()
+            if step - self.shown_at.get(finding.rule, -self.cfg.warn_every) >= self.cfg.warn_every
+        ]
+        self.shown_at.update((finding.rule, step) for finding in due)
+        return due
+
+    def findings(self) -> list[Finding]:
+        return diagnose(self.records, self.cfg)
 
 
 def run_thresholds(run_dir: str | Path) -> DiagnosisConfig:

@@ -28,6 +28,17 @@ def user_code_error(what: str, err: BaseException) -> UserCodeError:
     )
 
 
+class GuardAbort(LmppoError):
+    """A guard (lmppo.guards) stopped the run after saving an ``aborted`` checkpoint. It exits with 3, so a
+    job scheduler tells a run that watched itself fail from bad input (2) and does not requeue it as is."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, run_dir) -> None:
+        super().__init__(message)
+        self.run_dir = run_dir
+
+
 class Interrupted(LmppoError):
     """A run stopped by SIGINT / SIGTERM after saving a checkpoint. It exits with 128 + the signal's number
     (130, 143: the shell's convention), so a job scheduler sees an unfinished job and can requeue it."""

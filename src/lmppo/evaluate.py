@@ -85,7 +85,7 @@ def evaluate_policy(
     gold_fn: GoldJudge | None = None,
     demonstrations: Sequence[dict] | None = None,
     generator_options: Mapping,
-    slice_fn: Callable[[Prompt], str] | None = None,
+    slices: Sequence[str] | None = None,
     batch_size: int = 32,
     seed: int = 0,
     group: torch.distributed.ProcessGroup | None = None,
@@ -94,8 +94,8 @@ def evaluate_policy(
 
     ``generator_options``: :class:`HFGenerator`'s keywords, as :func:`lmppo.build.generator_options`
     gives them; ``reference``: the frozen reference for ``eval/kl/ref``; ``gold_fn``: a per-row gold
-    judge; ``demonstrations``: held-out {"prompt", "response"} rows for ``eval/demo_ppl``; ``slice_fn``:
-    a prompt's slice name (e.g. ``lambda p: task_of(p).kind``) for per-slice means. With a process
+    judge; ``demonstrations``: held-out {"prompt", "response"} rows for ``eval/demo_ppl``; ``slices``:
+    each prompt's slice name (e.g. its task type) for per-slice means. With a process
     ``group`` each rank passes its own share of prompts and demonstrations; rows and sums are gathered,
     so every rank returns the same, global result.
     """
@@ -106,7 +106,9 @@ def evaluate_policy(
     with _seeded_rng(seed, policy):
         for start in range(0, len(prompts), batch_size):
             rollout = generator.generate(prompts[start : start + batch_size], policy_version=0)
-            rows += _measure(rollout, reward_fn, policy, reference, gold_fn, slice_fn)
+            rows += _measure(rollout, reward_fn, policy, reference, gold_fn)
+    for row, name in zip(rows, slices or ()):
+        row["slice"] = str(name)
     rows = [row for rank_rows in gather_objects(rows, group) for row in rank_rows]
     metrics = _means(rows)
     if demonstrations is not None:
@@ -118,7 +120,7 @@ def evaluate_policy(
             )
         total, count = all_sum(torch.tensor(nll, dtype=torch.float64), group).tolist()
         metrics["eval/demo_ppl"] = math.exp(total / max(count, 1))
-    return EvalResult(metrics=metrics, rows=rows, slices=_slice_means(rows) if slice_fn else {})
+    return EvalResult(metrics=metrics, rows=rows, slices=_slice_means(rows) if slices is not None else {})
 
 
 def run_evaluator(
@@ -166,7 +168,7 @@ def _seeded_rng(seed: int, model) -> Iterator[None]:
         yield
 
 
-def _measure(rollout: Rollout, reward_fn, policy, reference, gold_fn, slice_fn) -> list[dict]:
+def _measure(rollout: Rollout, reward_fn, policy, reference, gold_fn) -> list[dict]:
     """Per-row records of one generated batch."""
     rm_scores = reward_fn(rollout.prompts, rollout.response_texts).tolist()
     rows = [
@@ -178,16 +180,13 @@ def _measure(rollout: Rollout, reward_fn, policy, reference, gold_fn, slice_fn) 
     if reference is not None:
         for row, kl in zip(rows, _sequence_kl(policy, reference, rollout).tolist()):
             row["kl_ref"] = kl
-    for row in rows:
-        if gold_fn is not None:
-            try:
-                row["gold_score"] = float(gold_fn(row["prompt"], row["response"]))
-            except Exception as err:  # the user's judge: shown as theirs, with their frames
-                raise user_code_error(
-                    f"the held-out judge {getattr(gold_fn, '__name__', gold_fn)}", err
-                ) from None
-        if slice_fn is not None:
-            row["slice"] = str(slice_fn(row["prompt"]))
+    for row in rows if gold_fn is not None else ():
+        try:
+            row["gold_score"] = float(gold_fn(row["prompt"], row["response"]))
+        except Exception as err:  # the user's judge: shown as theirs, with their frames
+            raise user_code_error(
+                f"the held-out judge {getattr(gold_fn, '__name__', gold_fn)}", err
+            ) from None
     return rows
 
 

@@ -84,6 +84,12 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
+def _held_out(metrics: Mapping[str, float]) -> float | None:
+    """The held-out score the guards and the best checkpoint follow: the judge's, else the RM's."""
+    value = metrics.get("eval/gold_score", metrics.get("eval/reward/rm_score"))
+    return value if value is not None and math.isfinite(value) else None
+
+
 class Guards:
     """Checks the rules of ``cfg`` (a ``GuardsConfig`` or anything with its attributes) each step.
 
@@ -100,7 +106,14 @@ class Guards:
         self.nonfinite_streak = 0
         self.evals: list[tuple[float, float]] = []  # (mean train RM score since previous eval, held-out)
         self._rm_sum, self._rm_count = 0.0, 0
+        self.baseline: float | None = None  # the starting policy's held-out score, until step 1 pairs it
         self.healthy = True
+
+    def start(self, metrics: Mapping[str, float]) -> None:
+        """The step-0 evaluation of the starting policy: the first held-out score the
+        ``reward_without_eval`` rule compares against, paired with step 1's training RM score (step 1
+        samples from the starting policy)."""
+        self.baseline = _held_out(metrics)
 
     def check(self, step: int, metrics: Mapping[str, float]) -> GuardViolation | None:
         if not self.cfg.enabled:
@@ -117,12 +130,15 @@ class Guards:
     def _record(self, metrics: Mapping[str, float], any_nonfinite: bool) -> None:
         bad_step = any_nonfinite or metrics.get("health/nonfinite", 0) > 0
         self.nonfinite_streak = self.nonfinite_streak + 1 if bad_step else 0
-        rm_score = metrics.get("reward/rm_score")
+        rm_score, patience = metrics.get("reward/rm_score"), self.cfg.reward_without_eval_patience
+        if patience is None:
+            return
         if rm_score is not None and math.isfinite(rm_score):
+            if self.baseline is not None:  # the starting policy's training score and held-out score
+                self.evals, self.baseline = [(rm_score, self.baseline)], None
             self._rm_sum, self._rm_count = self._rm_sum + rm_score, self._rm_count + 1
-        heldout = metrics.get("eval/gold_score", metrics.get("eval/reward/rm_score"))
-        patience = self.cfg.reward_without_eval_patience
-        if patience is None or heldout is None or not math.isfinite(heldout) or not self._rm_count:
+        heldout = _held_out(metrics)
+        if heldout is None or not self._rm_count:
             return
         self.evals = [*self.evals, (self._rm_sum / self._rm_count, heldout)][-(patience + 1) :]
         self._rm_sum, self._rm_count = 0.0, 0
@@ -191,9 +207,11 @@ class Guards:
             "evals": [list(e) for e in self.evals],
             "rm_sum": self._rm_sum,
             "rm_count": self._rm_count,
+            "baseline": self.baseline,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.nonfinite_streak = int(state["nonfinite_streak"])
         self.evals = [(float(rm), float(heldout)) for rm, heldout in state["evals"]]
         self._rm_sum, self._rm_count = float(state["rm_sum"]), int(state["rm_count"])
+        self.baseline = state.get("baseline")

@@ -416,6 +416,15 @@ class ProgressDisplay:
         elif step % self.every == 0 or step == self.total_steps:
             print(line, flush=True)
 
+    def note(self, text: str) -> None:
+        """A line of its own above the live display (between the log lines when quiet)."""
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(text, flush=True)
+
     def __enter__(self) -> Self:
         self._started = time.perf_counter()
         if self.enabled and not self.quiet:

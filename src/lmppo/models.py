@@ -318,6 +318,15 @@ def checkpointing(layers: list[nn.Module]) -> Iterator[None]:
             layer.training = False
 
 
+def resolve_device(name: str) -> torch.device:
+    """``run.device``: auto picks CUDA when a device is visible."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise LmppoError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+    return torch.device(name)
+
+
 def resolve_precision(precision: str, device: torch.device) -> str:
     """``run.precision`` for this device: ``auto`` is bf16 on a CUDA device with bf16 support (assumed for
     one that is planned for but not present), else fp32 (CPUs without AMX run bf16 matmuls no faster)."""

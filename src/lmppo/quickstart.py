@@ -3,7 +3,8 @@
 toy world (tokenizers + tiny Llamas + data, from a seed) -> SFT on noisy demonstrations -> Bradley-Terry
 reward model (started from the SFT transformer, InstructGPT-style) on gold-judge-labelled pairs -> PPO
 (policy from SFT, reference = SFT, critic from the RM) -> held-out evaluation of SFT and PPO with the RM
-and the hidden gold judge -> HTML report. ``--beta 0`` shows reward hacking: RM score up, gold flat or down.
+and the hidden gold judge -> HTML report. ``--beta 0`` shows reward hacking: RM score up, gold down, until a
+guard stops the run and the diagnosis names over-optimisation (the report is written all the same).
 Settings live in ``lmppo/toy/quickstart.yaml``.
 """
 
@@ -20,7 +21,7 @@ from rich.console import Console
 from lmppo.build import PPOModels, generator_options, load_reward
 from lmppo.config import QuickstartConfig, apply_override, validate_config
 from lmppo.data import read_jsonl
-from lmppo.errors import LmppoError
+from lmppo.errors import GuardAbort, LmppoError
 from lmppo.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table, write_eval_json
 from lmppo.models import load_causal_lm, load_tokenizer
 from lmppo.report import report
@@ -115,7 +116,7 @@ def run_quickstart(
             reference=reference,
             gold_fn=gold_score,
             demonstrations=demos,
-            slice_fn=lambda prompt: task_of(prompt).kind,
+            slices=[task_of(prompt).kind for prompt in eval_prompts],
             generator_options=generator_options(ppo_cfg),
             batch_size=ppo_cfg.run.eval_batch_size,
             seed=seed,
@@ -128,7 +129,13 @@ def run_quickstart(
         f"[4/6] PPO: {ppo_cfg.run.steps} steps of {ppo_cfg.rollout.batch_size} prompts, "
         f"beta {ppo_cfg.kl.beta}"
     )
-    run_dir = train(ppo_cfg, evaluator_factory=periodic_eval)
+    try:
+        run_dir = train(ppo_cfg, evaluator_factory=periodic_eval)
+    except GuardAbort as abort:  # the run stopped itself: its report still shows why
+        write_rm_eval_json(abort.run_dir, rm_eval)
+        raise GuardAbort(
+            f"{abort}\nThe report of the stopped run: {report(abort.run_dir)}", abort.run_dir
+        ) from None
     write_rm_eval_json(run_dir, rm_eval)
 
     with console.status("[5/6] held-out evaluation of SFT and PPO"):

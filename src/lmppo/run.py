@@ -34,7 +34,8 @@ from lmppo.checkpoint import (
     write_tensor_groups,
 )
 from lmppo.config import Config
-from lmppo.data import load_demonstrations, load_located_prompts
+from lmppo.data import load_demonstrations, load_located_prompts, prompt_slices
+from lmppo.diagnose import LiveDiagnosis
 from lmppo.distributed import (
     DistInfo,
     any_rank,
@@ -47,12 +48,13 @@ from lmppo.distributed import (
     seed_everything,
     whole_group,
 )
-from lmppo.errors import Interrupted, LmppoError, UserCodeError
+from lmppo.errors import GuardAbort, Interrupted, LmppoError, UserCodeError
 from lmppo.evaluate import run_evaluator
 from lmppo.guards import Guards
-from lmppo.metrics import MetricsLogger, ProgressDisplay, reduce_metrics
-from lmppo.models import resolve_precision
+from lmppo.metrics import METRICS_FILE, MetricsLogger, ProgressDisplay, read_metrics, reduce_metrics
+from lmppo.models import resolve_device, resolve_precision
 from lmppo.plan import check_plan
+from lmppo.preflight import Preflight, run_preflight, summary_line, write_preflight_json
 from lmppo.sft import sft_batch
 from lmppo.trainer import PPOTrainer
 
@@ -82,14 +84,6 @@ class StopOnSignal:
             signal.signal(sig, handler)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise LmppoError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
-    return torch.device(name)
-
-
 def train(
     cfg: Config,
     *,
@@ -102,9 +96,11 @@ def train(
 
     ``evaluator_factory(models)`` gives the held-out evaluation run every ``run.eval_every`` steps (by
     default :func:`lmppo.evaluate.run_evaluator`, when ``data.eval_prompts`` is set); its ``eval/*``
-    metrics join that step's record (and the ``reward_without_eval`` guard), and a first evaluation of
-    the starting policy is logged as step 0. A run whose memory
-    plan does not fit the device is refused before any model is loaded, unless ``force``.
+    metrics join that step's record (and the ``reward_without_eval`` guard). Step 0's record is the
+    starting policy: its first evaluation and the reward pre-flight (:mod:`lmppo.preflight`). The
+    rules of :mod:`lmppo.diagnose` watch every record, and a guard abort (:class:`GuardAbort`) says
+    what they found. A run whose memory plan does not fit the device is refused before any model is
+    loaded, unless ``force``.
     """
     device = resolve_device(cfg.run.device)
     try:
@@ -159,10 +155,11 @@ def _train(
 
     models = load_models(cfg, device)
     located_prompts = load_located_prompts(cfg.data.prompts, cfg.data.split)
+    prompts = [prompt for _, prompt in located_prompts]
     trainer = PPOTrainer(
         cfg,
         models,
-        [prompt for _, prompt in located_prompts],
+        prompts,
         ptx_batches=ptx_batches(cfg, models.tokenizer, device, dist_info.rank),
         group=dist_info.group,
         rank=dist_info.rank,
@@ -255,10 +252,33 @@ def _train(
         best.update(step=trainer.step_count, metric=metric, score=metrics[metric])
         return True
 
+    def reward_preflight() -> Preflight:
+        """How the reward scores the starting policy's samples (global; its own RNG stream)."""
+        slices = prompt_slices(cfg.data.prompts, cfg.data.split, cfg.data.slice_key)
+        with trainer.autocast(), gathered(models.policy, models.reward_model):
+            return run_preflight(
+                cfg, models.policy, models.tokenizer, models.reward, prompts, slices,
+                dist_info.rank, dist_info.world_size, dist_info.group,
+            )  # fmt: skip
+
     evaluating = evaluator is not None and cfg.run.eval_every > 0
-    start_eval = evaluate() if evaluating and checkpoint is None else None  # the starting policy, step 0
-    if checkpoint is None:  # step 0: the pre-PPO bundle is the first last-known-good checkpoint
-        save("ok", is_best=start_eval is not None and improves_best(start_eval))
+    start: dict[str, float] = {}  # step 0: the starting policy, what every later record is read against
+    preflight = None
+    if checkpoint is None:  # the pre-PPO bundle is the first last-known-good checkpoint
+        try:
+            start.update(evaluate() if evaluating else {})
+            preflight = reward_preflight() if cfg.diagnosis.preflight_batches else None
+        except UserCodeError as err:  # nothing was trained or saved yet
+            raise UserCodeError(
+                f"{err}\n--- the run stopped before step 1, scoring the starting policy's samples (the "
+                "reward pre-flight or the first evaluation); nothing was saved: fix the code and start the run again"
+            ) from None
+        if preflight is not None:
+            start.update(preflight.metrics)
+            if dist_info.is_main:
+                write_preflight_json(run_dir, preflight)
+        guards.start(start)
+        save("ok", is_best=improves_best(start))
 
     with (
         StopOnSignal() as stop,  # outermost: a signal during the other exits only sets its flag
@@ -274,8 +294,22 @@ def _train(
             cfg.run.steps, quiet=cfg.logging.quiet, start_step=trainer.step_count, enabled=dist_info.is_main
         ) as progress,
     ):
-        if start_eval is not None:
-            logger.log(0, start_eval)  # what every later evaluation is read against
+        earlier = read_metrics(run_dir) if checkpoint and (run_dir / METRICS_FILE).is_file() else []
+        live = LiveDiagnosis(cfg.diagnosis, [r for r in earlier if r["step"] <= trainer.step_count])
+
+        def log(step: int, metrics: dict[str, float]) -> None:
+            """Record a step and show what the diagnosis rules newly find in the history so far."""
+            logger.log(step, metrics)
+            for finding in live.add(step, metrics):
+                progress.note(
+                    f"diagnosis at step {step}: {finding.rule}: {finding.evidence} (cause and fix: "
+                    f"`lmppo diagnose {run_dir}`)"
+                )
+
+        if preflight is not None:
+            progress.note(summary_line(preflight))
+        if start:
+            log(0, start)
         improved = False
         while trainer.step_count < cfg.run.steps:
             try:
@@ -289,15 +323,27 @@ def _train(
             if evaluating and trainer.step_count % cfg.run.eval_every == 0:
                 metrics.update(evaluate())
             metrics = reduce_metrics(metrics, dist_info.group)
-            logger.log(trainer.step_count, metrics)
+            log(trainer.step_count, metrics)
             progress.update(trainer.step_count, metrics)
             violation = guards.check(trainer.step_count, metrics)
             if violation is not None:  # metrics are global, so every rank finds the same violation
                 aborted = save("aborted")
-                raise LmppoError(
+                kept = (
+                    export_best(run_dir, best, cfg, device, models.tokenizer)
+                    if best and dist_info.is_main
+                    else None
+                )
+                barrier(dist_info.group)  # no rank exits (torchrun then stops the rest) while rank 0 writes
+                findings = (
+                    "".join(f"\n- {finding}" for finding in live.findings()) or " no known failure mode."
+                )
+                raise GuardAbort(
                     f"guard {violation.rule!r} stopped the run at step {trainer.step_count}: {violation.message}\n"
                     f"The state at the abort is in {aborted}; the last known good checkpoint is "
-                    f"{last_good_checkpoint(run_dir)} (the pre-PPO policy is {cfg.models.policy.path})."
+                    f"{last_good_checkpoint(run_dir)} (the pre-PPO policy is {cfg.models.policy.path})"
+                    + (f"; the policy of the best held-out step is exported to {kept}" if kept else "")
+                    + f".\nDiagnosis of the metrics so far (`lmppo diagnose {run_dir}`):{findings}",
+                    run_dir,
                 )
             if any_rank(stop.requested is not None, dist_info.group):  # a signal may reach one rank first
                 path = save("interrupted")
@@ -317,11 +363,7 @@ def _train(
     if dist_info.is_main:
         export_final(run_dir / "final", policy, models.tokenizer, cfg)
         if best and best["step"] != trainer.step_count:  # the held-out best is an earlier policy
-            best_policy = checkpointed_policy(cfg, device, best_checkpoint(run_dir))
-            held_out = f"the best {best['metric']} on the held-out prompts ({best['score']:.4g})"
-            export_final(
-                run_dir / "best", best_policy, models.tokenizer, cfg, f"step {best['step']}: {held_out}"
-            )
+            export_best(run_dir, best, cfg, device, models.tokenizer)
     barrier(dist_info.group)  # no rank leaves (and tears the group down) before the final model is written
     return run_dir
 
@@ -414,6 +456,14 @@ def checkpointed_policy(cfg: Config, device: torch.device, path: Path) -> nn.Mod
     return plain_policy(cfg, device, weights, f"checkpoint {path}")
 
 
+def export_best(run_dir: Path, best: dict, cfg: Config, device: torch.device, tokenizer) -> Path:
+    """``best/``: the policy of the step with the best held-out score (``best``: its step, metric and
+    score), from its checkpoint."""
+    policy = checkpointed_policy(cfg, device, best_checkpoint(run_dir))
+    held_out = f"the best {best['metric']} on the held-out prompts ({best['score']:.4g})"
+    return export_final(run_dir / "best", policy, tokenizer, cfg, f"step {best['step']}: {held_out}")
+
+
 def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config, which: str = "") -> Path:
     """The trained policy as a plain transformers directory, with our decoding settings and a model card;
     ``which`` says which of the run's policies it is when not the last (``best/``)."""
@@ -436,7 +486,11 @@ def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config, which
         if cfg.kl.adaptive
         else f"fixed beta = {cfg.kl.beta}"
     )
-    which = f"- This is the policy after {which}; the run's last policy is in `final/`\n" if which else ""
+    which = (
+        f"- This is the policy after {which}; the run's last policy (if it finished) is in `final/`\n"
+        if which
+        else ""
+    )
     (out_dir / "README.md").write_text(
         f"# PPO policy trained with lmppo\n\n"
         f"- Started from: `{cfg.models.policy.path}` (reference: the starting weights)\n"
