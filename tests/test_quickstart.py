@@ -30,11 +30,18 @@ def test_fast_quickstart_improves_gold_score_with_an_accurate_reward_model(tmp_p
 
 
 @pytest.mark.slow
-def test_the_beta_0_quickstart_is_diagnosed_as_over_optimisation(tmp_path):
-    """No KL anchor: the training RM score climbs while the held-out gold score falls (the README's run)."""
-    assert run_cli("quickstart", "--beta", "0", "--out", str(tmp_path / "qs")) == 0
-    findings = {finding.rule: finding for finding in diagnose_run(tmp_path / "qs" / "ppo")}
+def test_the_beta_0_quickstart_is_stopped_by_a_guard_and_diagnosed_as_over_optimisation(tmp_path, capsys):
+    """No KL anchor: the training RM score climbs while the held-out gold score falls (the README's run),
+    until a guard stops the run; its message, `lmppo diagnose` and the report say why."""
+    assert run_cli("quickstart", "--beta", "0", "--out", str(tmp_path / "qs")) == 3  # a guard abort
+    err = capsys.readouterr().err
+    diagnosis = err[err.index("Diagnosis of the metrics so far") :]
+    assert "- over_optimisation" in diagnosis and "eval/gold_score" in diagnosis
+    run_dir = tmp_path / "qs" / "ppo"
+    findings = {finding.rule: finding for finding in diagnose_run(run_dir)}
     assert "over_optimisation" in findings and "eval/gold_score" in findings["over_optimisation"].evidence
+    assert (run_dir / "best" / "config.json").is_file() and not (run_dir / "final").exists()
+    assert "over_optimisation" in (run_dir / "report" / "index.html").read_text()
 
 
 def test_train_rm_rejects_a_row_without_chosen(tmp_path, capsys):

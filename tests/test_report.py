@@ -170,3 +170,21 @@ def test_the_report_opens_with_the_diagnosis_and_plots_held_out_scores_against_k
     assert page.index("<h2>Diagnosis</h2>") < page.index("Training curves") and "stale_batches" in page
     assert "overoptimisation.png" in embedded_images(page)
     assert "the best evaluation, kept as best/" in page
+
+
+def test_the_reward_preflight_is_shown_with_its_slices_and_extreme_samples(tmp_path):
+    from lmppo.preflight import summarise, write_preflight_json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "preflight/samples": 6.0}) + "\n")
+    rows = [
+        {"prompt": "hi", "response": f"answer {n} <b>", "rm_score": float(n), "length": n, "eos": True,
+         "slice": "ab"[n % 2]}
+        for n in range(6)
+    ]  # fmt: skip
+    write_preflight_json(run, summarise(rows))
+    page = report(run).read_text()
+    section = page[page.index("Reward pre-flight") :]
+    assert "preflight/length_spearman" in section and "<td>ab</td>" not in section
+    assert "<td>a</td>" in section and "answer 5 &lt;b&gt;" in section  # escaped, highest first

@@ -75,9 +75,9 @@ def over_optimisation(records: Records, cfg: DiagnosisConfig) -> Finding | None:
     train = series(records, "reward/rm_score")
     metric = "eval/gold_score" if series(records, "eval/gold_score") else "eval/reward/rm_score"
     held_out = series(records, metric)
-    if len(train) < cfg.min_steps or len(held_out) < 3:
+    if len(train) < cfg.min_steps or len(held_out) < 3:  # too few evaluations to judge a trend
         kl = series(records, "kl/ref")
-        if kl and kl[-1][1] > cfg.kl_hacking_nats and len(train) >= cfg.min_steps:
+        if not held_out and kl and kl[-1][1] > cfg.kl_hacking_nats and len(train) >= cfg.min_steps:
             return Finding(
                 "over_optimisation",
                 (kl[0][0], kl[-1][0]),

@@ -15,6 +15,9 @@ Reads, from ``RUN_DIR``:
 
   ``summary`` is :func:`lmppo.evaluate.compare_policies`; each policy is an ``EvalResult.to_dict()``,
   all evaluated on the same prompts in the same order (rows pair up by index);
+- ``preflight.json`` (optional, written by :func:`lmppo.preflight.write_preflight_json`): the reward
+  pre-flight, ``{"metrics": {"preflight/...": float}, "slices": {slice: {"n", "rm_score_mean",
+  "rm_score_std", "eos_frac", "length_mean"}}, "examples": {"highest" | "lowest": [row, ...]}}``;
 - ``rm_eval.json`` (optional, written by :func:`lmppo.reward_modeling.write_rm_eval_json`): the dict of
   :func:`lmppo.reward_modeling.evaluate_reward_model`, i.e. ``{"n", "accuracy", "margin_mean",
   "chosen_mean", "rejected_mean", "reward": {"mean", "std", "q10", "q50", "q90"},
@@ -40,6 +43,7 @@ from lmppo.diagnose import Finding, diagnose, run_thresholds
 from lmppo.errors import LmppoError
 from lmppo.evaluate import EVAL_FILE, summary_columns
 from lmppo.metrics import METRICS_FILE, read_metrics
+from lmppo.preflight import PREFLIGHT_FILE
 from lmppo.reward_modeling import RM_EVAL_FILE
 
 CONFIG_FILE = "config.yaml"
@@ -139,6 +143,7 @@ def report(run_dir: str | Path, compare: Sequence[str | Path] = ()) -> Path:
 
     evaluation = _read_json(run_dir / EVAL_FILE)
     rm_eval = _read_json(run_dir / RM_EVAL_FILE)
+    preflight = _read_json(run_dir / PREFLIGHT_FILE)
     config = run_dir / CONFIG_FILE
     sections = [_diagnosis_section(diagnose(runs[0][1], run_thresholds(run_dir)))]
     if evaluation:
@@ -151,6 +156,8 @@ def report(run_dir: str | Path, compare: Sequence[str | Path] = ()) -> Path:
             "evaluation, kept as best/"
         )
         sections.append(_figure_html(out / f"{OVEROPTIMISATION}.png", caption))
+    if preflight:
+        sections.append(_preflight_section(preflight))
     if rm_eval:
         sections.append(_rm_section(rm_eval, out))
     if config.is_file():
@@ -253,6 +260,26 @@ def _response_cell(row: dict) -> str:
 def _prompt_text(prompt) -> str:
     text = prompt if isinstance(prompt, str) else " / ".join(f"{m['role']}: {m['content']}" for m in prompt)
     return _esc(text)
+
+
+def _preflight_section(preflight: dict) -> str:
+    """The reward pre-flight: how the reward scored the starting policy's samples before step 1."""
+    metrics = preflight["metrics"]
+    parts = [
+        "<h2>Reward pre-flight (the starting policy's samples, before step 1)</h2>",
+        _table(["metric", "value"], [[name, _fmt(value)] for name, value in metrics.items()]),
+    ]
+    if preflight["slices"]:
+        columns = list(next(iter(preflight["slices"].values())))
+        rows = [[name, *(_fmt(values[c]) for c in columns)] for name, values in preflight["slices"].items()]
+        parts.append(_table(["slice", *columns], rows))
+    samples = [
+        [which, _prompt_text(row["prompt"]), _response_cell(row), str(row["length"])]
+        for which, rows in preflight["examples"].items()
+        for row in rows
+    ]
+    parts.append(_table(["", "prompt", "response", "length"], samples, escape=False))
+    return "".join(parts)
 
 
 def _rm_section(rm_eval: dict, out: Path) -> str:

@@ -338,7 +338,7 @@ def _train(
                     "".join(f"\n- {finding}" for finding in live.findings()) or " no known failure mode."
                 )
                 raise GuardAbort(
-                    f"guard {violation.rule!r} stopped the run at step {trainer.step_count}: {violation.message}\n"
+                    f"{violation.message}\n"
                     f"The state at the abort is in {aborted}; the last known good checkpoint is "
                     f"{last_good_checkpoint(run_dir)} (the pre-PPO policy is {cfg.models.policy.path})"
                     + (f"; the policy of the best held-out step is exported to {kept}" if kept else "")
