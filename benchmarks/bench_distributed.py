@@ -94,6 +94,7 @@ def run_ppo(args, config: Path, setup: str, out: Path) -> dict:
         f"run.output_dir={out}",
         f"run.steps={args.steps}",
         "run.eval_every=0",
+        "diagnosis.preflight_batches=0",  # training steps only
         "run.checkpoint_every=0",
         *args.set,
         *([f"distributed.strategy={strategy}"] if procs > 1 else []),

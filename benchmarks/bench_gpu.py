@@ -29,10 +29,7 @@ def model_overrides(name: str, llama_dir: Path) -> tuple[Path, list[str]]:
 
     cache_gguf_as_transformers(smollm2_gguf(), CACHE_DIR)
     if name == "smollm2":
-        return ROOT / "examples/smollm2/ppo_judge.yaml", [
-            f"models.policy.path={CACHE_DIR}",
-            "run.eval_every=0",
-        ]
+        return ROOT / "examples/smollm2/ppo_judge.yaml", [f"models.policy.path={CACHE_DIR}"]
     if not (llama_dir / "model.safetensors").exists():
         subprocess.run(
             [sys.executable, str(ROOT / "benchmarks/make_llama_1b.py"), str(llama_dir)], check=True
@@ -48,6 +45,8 @@ def run_once(config: Path, overrides: list[str], out: Path) -> dict:
         "ppo",
         str(config),
         *overrides,
+        "run.eval_every=0",  # training steps only: no held-out evaluation, no reward pre-flight
+        "diagnosis.preflight_batches=0",
         f"run.output_dir={out}",
         "--quiet",
     ]

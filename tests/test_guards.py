@@ -107,6 +107,21 @@ def test_reward_rising_with_held_out_improvement_is_quiet():
         assert guards.check(step, _eval_step(rm, gold)) is None
 
 
+def test_the_starting_policys_evaluation_is_the_first_held_out_score():
+    """Step 0's evaluation (paired with step 1's training score, sampled from the same policy) starts the
+    window: with patience 1 the first evaluation after it can already fire."""
+    guards = Guards(_cfg(reward_without_eval_patience=1))
+    guards.start({"eval/gold_score": 0.5, "preflight/samples": 64.0})
+    assert guards.state_dict()["baseline"] == 0.5
+    assert guards.check(1, HEALTHY | {"reward/rm_score": 0.1}) is None
+    violation = guards.check(2, _eval_step(0.7, 0.45))
+    assert violation.rule == "reward_without_eval" and "never beat 0.5 " in violation.message
+    quiet = Guards(_cfg(reward_without_eval_patience=1))
+    quiet.start({"preflight/samples": 64.0})  # no evaluation at step 0: nothing to compare against
+    assert quiet.check(1, HEALTHY | {"reward/rm_score": 0.1}) is None
+    assert quiet.check(2, _eval_step(0.7, 0.45)) is None
+
+
 def test_held_out_rm_score_is_used_without_a_gold_judge():
     guards = Guards(_cfg(reward_without_eval_patience=1))
     assert guards.check(1, _eval_step(0.1, 0.3, key="eval/reward/rm_score")) is None
