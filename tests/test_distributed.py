@@ -245,8 +245,9 @@ def test_torchrun_two_ranks_log_once_checkpoint_every_rank_and_resume_exactly(
     done = torchrun(str(straight))
     assert done.returncode == 0, done.stderr[-4000:]
     a = run_files.parent / "straight"
-    records = read_metrics(a)
-    assert [r["step"] for r in records] == [1, 2, 3, 4]  # rank 0 logs; rank 1 does not
+    start, *records = read_metrics(a)
+    assert [r["step"] for r in [start, *records]] == [0, 1, 2, 3, 4]  # rank 0 logs; rank 1 does not
+    assert start["preflight/samples"] == 8  # the pre-flight's samples of both ranks
     comm = "perf/reduce_scatter_mb" if strategy == "fsdp2" else "perf/allreduce_mb"
     assert all(r[comm] > 0 and math.isfinite(r["policy/loss"]) for r in records)
     final = AutoModelForCausalLM.from_pretrained(a / "final")  # plain transformers, whole weights
@@ -282,7 +283,7 @@ def test_torchrun_two_ranks_log_once_checkpoint_every_rank_and_resume_exactly(
     assert "world_size" in capsys.readouterr().err
     with pytest.warns(UserWarning, match="written by 2 ranks and this run has 1"):
         assert run_cli(*alone, "--allow-config-change") == 0
-    assert [r["step"] for r in read_metrics(run_files.parent / "alone")] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in read_metrics(run_files.parent / "alone")] == [0, 1, 2, 3, 4, 5]
 
 
 @pytest.mark.slow

@@ -171,8 +171,9 @@ def test_three_ppo_steps_with_engine_vllm_through_the_cli(tiny_dir, tmp_path):
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    records = read_metrics(tmp_path / "run")
-    assert [r["step"] for r in records] == [1, 2, 3]
+    start, *records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in [start, *records]] == [0, 1, 2, 3]  # 0: the reward pre-flight
+    assert "preflight/rm_score_mean" in start
     assert all(r["perf/weight_sync_s"] > 0 and r["lag/policy_versions"] == 0 for r in records)
     assert all(r["engine/logp_gap"] < TOLERANCE for r in records)  # synced before every rollout
     assert (tmp_path / "run" / "final" / "config.json").is_file()
