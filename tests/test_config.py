@@ -77,3 +77,49 @@ def test_config_schema_is_strict_at_every_level():
     for section in Config.model_fields:
         with pytest.raises(LmppoError, match="unknown key"):
             load_config(base=BASE, overrides=[f"{section}.no_such_key=1"])
+
+
+COMPONENTS = {
+    "models": BASE["models"],
+    "data": BASE["data"],
+    "reward": {
+        "components": [
+            {"name": "helpful", "function": "my_rewards:score", "normalize": True},
+            {"name": "short", "function": "my_rewards:brevity", "weight": 0.5, "missing_eos_penalty": 1.0},
+        ]
+    },
+}
+
+
+def test_reward_components_and_the_one_source_shorthand():
+    sources = load_config(base=COMPONENTS).reward.sources()
+    assert [(s.name, s.weight, s.normalize) for s in sources] == [
+        ("helpful", 1.0, True),
+        ("short", 0.5, False),
+    ]
+    (shorthand,) = load_config(base=BASE, overrides=["reward.clip=2"]).reward.sources()
+    assert (shorthand.name, shorthand.function, shorthand.clip) == ("reward", "my_rewards:score", 2.0)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("reward.function=my_rewards:score", "move reward.function into each component"),
+        ("reward.normalize=true", "move reward.normalize into each component"),
+        ("reward.components.1.name=helpful", "the name 'helpful' is used twice"),
+        ("reward.components.0.model.path=rm", "'helpful': set exactly one of model or function"),
+        (
+            "reward.gate.component=safety reward.gate.below=0.1",
+            "reward.gate.component='safety' is not one of",
+        ),
+        ("rollout.truncation=bootstrap", "reward component 'short''s missing_eos_penalty"),
+    ],
+)
+def test_reward_component_errors_name_the_fix(override, message):
+    with pytest.raises(LmppoError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(base=COMPONENTS, overrides=override.split())
+
+
+def test_a_gate_needs_components():
+    with pytest.raises(LmppoError, match="reward.gate picks between reward.components"):
+        load_config(base=BASE, overrides=["reward.gate.component=x", "reward.gate.below=0"])

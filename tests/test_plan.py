@@ -122,3 +122,32 @@ def test_the_readme_shows_what_lmppo_plan_prints_for_the_1b_example(tmp_path):
     assert plan.device == "cuda" and plan.precision == "bf16"
     assert f"peak per rank: {size(plan.peak)} = models {size(plan.static)}" in readme
     assert f"update (peak)      {size(plan.phases['update'])}" in readme
+
+
+def test_each_learned_reward_component_has_its_row_and_a_critic_starts_from_the_first(run_files, tmp_path):
+    """Two reward models and a function: a row each (the function holds nothing); the critic of
+    init_from=reward is the first learned component's network."""
+    from helpers import COUNT_GOOD, llama_config, toy_models
+    from transformers import LlamaForSequenceClassification
+
+    tokenizer = toy_models().tokenizer
+    for name, layers in (("a", 1), ("b", 2)):
+        LlamaForSequenceClassification(
+            llama_config(tokenizer, num_labels=1, num_hidden_layers=layers)
+        ).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    components = [
+        {"name": "a", "model": {"path": str(tmp_path / "a")}},
+        {"name": "count", "function": COUNT_GOOD},
+        {"name": "b", "model": {"path": str(tmp_path / "b")}},
+    ]
+    cfg = load_config(run_files, ["models.value.init_from=reward"])
+    cfg = cfg.model_copy(update={"reward": type(cfg.reward)(components=components)})
+    rows = rows_by_role(memory_plan(cfg))
+    models = load_models(cfg, torch.device("cpu"))
+    learned = {c.name: c.model for c in models.reward.components if c.model is not None}
+    for name in ("a", "b"):
+        assert rows[f"reward {name}"].parameters == sum(p.numel() for p in learned[name].parameters())
+    assert rows["reward count"].parameters == 0
+    assert rows["value"].parameters == sum(p.numel() for p in models.value.parameters())
+    assert rows["reward a"].parameters < rows["reward b"].parameters  # the critic came from a, the smaller

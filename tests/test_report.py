@@ -188,3 +188,18 @@ def test_the_reward_preflight_is_shown_with_its_slices_and_extreme_samples(tmp_p
     section = page[page.index("Reward pre-flight") :]
     assert "preflight/length_spearman" in section and "<td>ab</td>" not in section
     assert "<td>a</td>" in section and "answer 5 &lt;b&gt;" in section  # escaped, highest first
+
+
+def test_reward_components_get_a_panel_each(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [
+        {"step": s, "reward/rm_score": 0.1 * s, "reward/rm/raw": 0.2 * s, "reward/rm/used": 0.2 * s,
+         "reward/format/raw": -0.05 * s, "reward/format/used": -0.05 * s}
+        for s in range(1, 6)
+    ]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "components.png" in embedded_images(report(run).read_text())
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/rm_score": 0.1}) + "\n")
+    report(run)
+    assert not (run / "report" / "components.png").exists()  # a one-source run has none

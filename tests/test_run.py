@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import yaml
-from helpers import GOOD_JUDGE, PROMPTS, comparable, run_cli, write_config
+from helpers import COUNT_GOOD, GOOD_JUDGE, PROMPTS, comparable, run_cli, write_config
 from transformers import AutoModelForCausalLM
 
 from lmppo.checkpoint import (
@@ -380,3 +380,36 @@ def test_checkpoints_of_steps_that_break_a_rule_in_warm_up_are_not_last_good(run
     }
     assert tags == {"step-000000": "ok", "step-000001": "unhealthy", "step-000002": "unhealthy"}
     assert last_good_checkpoint(run_files.parent / "run").name == "step-000000"
+
+
+def test_reward_components_are_logged_apart_and_their_normalisation_resumes_exactly(run_files):
+    (run_files.parent / "length.py").write_text(
+        "def score(prompts, responses):\n    return [float(len(r.split())) for r in responses]\n"
+    )
+    config = yaml.safe_load(run_files.read_text())
+    config["reward"] = {
+        "components": [
+            {"name": "good", "function": COUNT_GOOD, "normalize": True},
+            {"name": "length", "function": f"{run_files.parent / 'length.py'}:score", "weight": -0.1,
+             "normalize": True, "clip": 2.0},
+        ]
+    }  # fmt: skip
+    config["run"].update(steps=4, output_dir=str(run_files.parent / "straight"))
+    straight = run_files.parent / "components.yaml"
+    straight.write_text(yaml.safe_dump(config))
+    assert run_cli("ppo", str(straight)) == 0
+    records = read_metrics(run_files.parent / "straight")[1:]
+    for r in records:
+        assert r["reward/rm_score_used"] == pytest.approx(r["reward/good/used"] + r["reward/length/used"])
+        assert r["reward/rm_score"] == pytest.approx(r["reward/good/raw"] - 0.1 * r["reward/length/raw"])
+        assert {"reward/good/norm_mean", "reward/length/norm_std", "reward/length/clip_frac"} <= r.keys()
+    assert records[-1]["reward/length/norm_mean"] != records[0]["reward/length/norm_mean"]  # running
+
+    split = write_config(straight, run={"steps": 2, "output_dir": str(run_files.parent / "split")})
+    assert run_cli("ppo", str(split)) == 0
+    assert run_cli("ppo", "--resume", str(run_files.parent / "split"), "run.steps=4") == 0
+    assert comparable(read_metrics(run_files.parent / "split")) == comparable(
+        read_metrics(run_files.parent / "straight")
+    )
+    card = (run_files.parent / "straight" / "final" / "README.md").read_text()
+    assert "good: 1 x" in card and "length: -0.1 x" in card

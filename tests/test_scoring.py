@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -10,7 +11,9 @@ import torch
 from lmppo.errors import LmppoError
 from lmppo.rollout import HFGenerator
 from lmppo.scoring import (
+    CombinedReward,
     RewardModelScorer,
+    ScoredComponent,
     ScoreTransform,
     load_reward_function,
     render_for_reward_model,
@@ -218,3 +221,78 @@ def test_running_normalisation_matches_all_scores_seen_and_resumes():
     assert info["reward/norm_std"] == pytest.approx(float(seen.std(unbiased=False)), abs=1e-5)
     torch.testing.assert_close(out, (batches[2] - seen.mean()) / seen.std(unbiased=False), atol=1e-5, rtol=0)
     torch.testing.assert_close(out_resumed, out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Several rewards at once
+# --------------------------------------------------------------------------------------------------
+
+
+def length_score(prompts, responses) -> torch.Tensor:
+    return torch.tensor([float(len(r.split())) for r in responses])
+
+
+def good_score(prompts, responses) -> torch.Tensor:
+    return torch.tensor([float(r.split().count("good")) for r in responses])
+
+
+def test_the_last_token_score_is_the_weighted_sum_of_each_components_preprocessed_score():
+    good = ScoredComponent("good", good_score, 2.0, ScoreTransform(normalize=True))
+    length = ScoredComponent("length", length_score, -0.5, ScoreTransform(missing_eos_penalty=1.0, clip=3.0))
+    reward = CombinedReward([good, length], named=True)
+    terminated = torch.tensor([True, False, True, True])
+    raw = reward.raw_scores(PROMPTS, RESPONSES)
+    assert raw["good"].tolist() == [2.0, 0.0, 0.0, 0.0] and raw["length"].tolist() == [3.0, 5.0, 6.0, 1.0]
+    score, per_row, stats = reward.shape(raw, terminated)
+    good_used = (raw["good"] - 0.5) / math.sqrt(0.75 + 1e-8)  # normalised by this batch: mean 0.5, var 0.75
+    length_used = torch.tensor([3.0, 4.0, 3.0, 1.0])  # 5 - 1 (no EOS) = 4; 6 clipped to 3
+    torch.testing.assert_close(score, 2.0 * good_used - 0.5 * length_used)
+    torch.testing.assert_close(per_row["reward/length/used"], -0.5 * length_used)
+    assert per_row["reward/good/raw"].tolist() == raw["good"].tolist()
+    assert stats["reward/good/norm_mean"] == 0.5 and stats["reward/length/clip_frac"] == 0.25
+    assert reward(PROMPTS, RESPONSES).tolist() == (2.0 * raw["good"] - 0.5 * raw["length"]).tolist()
+
+    resumed = CombinedReward(
+        [ScoredComponent("good", good_score, 2.0, ScoreTransform(normalize=True)), length], named=True
+    )
+    resumed.load_state_dict(reward.state_dict())  # the running normalisation goes on where it was
+    torch.testing.assert_close(resumed.shape(raw, terminated)[0], reward.shape(raw, terminated)[0])
+
+
+def test_the_gate_gives_rows_below_its_threshold_the_gate_components_score_alone():
+    safety = ScoredComponent("safety", good_score, 1.0)
+    helpful = ScoredComponent("helpful", length_score, 1.0)
+    reward = CombinedReward([safety, helpful], gate=("safety", 0.5), named=True)
+    score, per_row, _ = reward.shape(reward.raw_scores(PROMPTS, RESPONSES), torch.ones(4, dtype=torch.bool))
+    assert score.tolist() == [2.0 + 3.0, 0.0, 0.0, 0.0]  # only row 0 has safety >= 0.5: the sum
+    assert per_row["reward/gate_frac"].tolist() == [0.0, 1.0, 1.0, 1.0]
+
+
+def test_two_reward_models_each_score_their_own_rendering(
+    tmp_path, reward_tokenizer, policy_tokenizer, make_reward_model
+):
+    """A learned RM per tokenizer and template: each sees the token ids of its own rendering of the text."""
+    from lmppo.build import load_reward
+    from lmppo.config import RewardConfig
+
+    for name, tokenizer in (("bracket", reward_tokenizer), ("chat", policy_tokenizer)):
+        make_reward_model(tokenizer).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    components = [{"name": n, "model": {"path": str(tmp_path / n)}} for n in ("bracket", "chat")]
+    loaded = load_reward(RewardConfig(components=components))
+    seen: dict[str, list[list[int]]] = {}
+    for component in loaded.reward.components:
+        scorer, batches = component.score, seen.setdefault(component.name, [])
+        scorer._score_batch = lambda rows, scorer=scorer, batches=batches: (  # record, then score
+            batches.extend(rows) or RewardModelScorer._score_batch(scorer, rows)
+        )
+    raw = loaded.reward.raw_scores(PROMPTS, RESPONSES)
+    for name, tokenizer in (("bracket", reward_tokenizer), ("chat", policy_tokenizer)):
+        expected = [rendered_ids(tokenizer, p, r)[0].tolist() for p, r in zip(PROMPTS, RESPONSES)]
+        assert seen[name] == expected and raw[name].shape == (4,)
+    assert seen["bracket"] != seen["chat"]
+    assert set(loaded.identity["components"]) == {"bracket", "chat"}
+    assert (
+        loaded.identity["components"]["chat"]["tokenizer_sha256"]
+        != loaded.identity["components"]["bracket"]["tokenizer_sha256"]
+    )

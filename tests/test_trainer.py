@@ -268,3 +268,37 @@ def test_critic_warmup_trains_only_the_critic_then_the_policy(shared):
     )  # the critic learnt
     assert trainer.step()["policy/frozen"] == 0.0 and trainer.policy_version == 1
     assert not all(torch.equal(a, b) for a, b in zip(start, trainer.policy.parameters()))
+
+
+def prompt_only(prompts, responses) -> torch.Tensor:
+    """A reward the policy cannot move: it reads the prompt alone."""
+    return torch.tensor([float(len(str(p))) / 10 for p in prompts])
+
+
+@pytest.mark.slow
+def test_a_hackable_component_rises_apart_from_one_the_policy_cannot_move():
+    """Two reward components, logged apart: count_good climbs, the prompt-only score stays where it was,
+    and the score PPO uses is the weighted sum of the two."""
+    from helpers import COUNT_GOOD
+
+    from lmppo.scoring import CombinedReward, ScoredComponent, load_reward_function
+
+    models = dataclasses.replace(
+        toy_models(),
+        reward=CombinedReward(
+            [
+                ScoredComponent("good", load_reward_function(COUNT_GOOD)),
+                ScoredComponent("prompt", prompt_only, weight=0.5),
+            ],
+            named=True,
+        ),
+    )
+    trainer = toy_trainer("rollout.batch_size=16", "ppo.minibatch_size=8", "kl.beta=0.3", models=models)
+    history = [trainer.step() for _ in range(12)]
+    good = [m["reward/good/raw"] for m in history]
+    assert sum(good[-3:]) / 3 > sum(good[:2]) / 2 + 1.0
+    fixed = [m["reward/prompt/raw"] for m in history]
+    assert fixed == pytest.approx([fixed[0]] * len(fixed))  # every step scores the same 16 prompts
+    for m in history:
+        assert m["reward/rm_score_used"] == pytest.approx(m["reward/good/used"] + m["reward/prompt/used"])
+        assert m["reward/prompt/used"] == pytest.approx(0.5 * m["reward/prompt/raw"])

@@ -844,6 +844,11 @@ def reward(prompts, responses) -> list[float]:
     return [judge_row(p, r)["reward"] for p, r in zip(prompts, responses)]
 
 
+def brevity_reward(prompts, responses) -> list[float]:
+    """The brevity term alone, as a reward component beside a learned RM (ppo_rm_brevity.yaml)."""
+    return [brevity(word_count(r)) for r in responses]
+
+
 def meets_target(prompt, response: str) -> float:
     """The held-out gold judge: 1.0 if the response is correct, brief and not repetitive, else 0.0."""
     return float(judge_row(prompt, response)["meets_target"])

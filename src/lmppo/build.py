@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmppo.config import Config, ModelSource, RewardConfig
+from lmppo.config import Config, ModelSource, RewardComponent, RewardConfig, RewardSource
 from lmppo.errors import LmppoError
 from lmppo.models import (
     ValueModel,
@@ -27,30 +27,43 @@ from lmppo.models import (
     with_lora,
 )
 from lmppo.rollout import Generator, HFGenerator
-from lmppo.scoring import RewardFunction, RewardModelScorer, load_reward_function
+from lmppo.scoring import (
+    CombinedReward,
+    RewardFunction,
+    RewardModelScorer,
+    ScoredComponent,
+    ScoreTransform,
+    load_reward_function,
+)
 
 
 @dataclass
 class PPOModels:
-    """The four models of a run (the reward is a learned RM wrapped as a function, or a program)."""
+    """The four models of a run (the reward is learned RMs and programs combined, or one function)."""
 
     policy: nn.Module
     reference: nn.Module
     value: nn.Module
     tokenizer: object
-    reward: RewardFunction
+    reward: RewardFunction  # a CombinedReward when built from the config
     identities: dict[str, dict] = field(default_factory=dict)
-    reward_model: nn.Module | None = None  # the frozen network behind ``reward``, if learned
+
+    @property
+    def reward_models(self) -> list[nn.Module]:
+        """The frozen networks behind the reward (none for programmatic rewards)."""
+        return getattr(self.reward, "models", [])
 
 
 @dataclass
 class LoadedReward:
-    """The configured reward: the scoring function, the frozen reward model behind it (None for a
-    programmatic reward; a critic may start from it) and its identity record."""
+    """The configured reward: its components combined, and its identity record."""
 
-    reward: RewardFunction
-    model: nn.Module | None
+    reward: CombinedReward
     identity: dict
+
+    def first_model(self) -> ScoredComponent | None:
+        """The first learned component (a critic may start from its network)."""
+        return next((c for c in self.reward.components if c.model is not None), None)
 
 
 def settled_dtype(section: ModelSource, where: str, *, precision: str, trained: bool) -> ModelSource:
@@ -69,35 +82,51 @@ def settled_dtype(section: ModelSource, where: str, *, precision: str, trained: 
     return section
 
 
-def load_reward(
-    reward_cfg: RewardConfig, device: torch.device | str = "cpu", precision: str = "fp32"
-) -> LoadedReward:
-    """``reward.model`` (scored with its own tokenizer and chat template) or ``reward.function``."""
-    if reward_cfg.model is None:
-        return LoadedReward(
-            load_reward_function(reward_cfg.function),
-            None,
-            {"role": "reward", "function": reward_cfg.function},
-        )
-    spec = settled_dtype(reward_cfg.model, "reward.model", precision=precision, trained=False)
+def score_transform(source: RewardSource) -> ScoreTransform:
+    """A reward source's preprocessing: missing-EOS penalty, running normalisation, clip."""
+    return ScoreTransform(source.missing_eos_penalty, source.clip, source.normalize)
+
+
+def load_reward_component(
+    source: RewardComponent, where: str, device: torch.device | str, precision: str
+) -> tuple[ScoredComponent, dict]:
+    """One reward source, scored with its own tokenizer and chat template when learned, and its identity."""
+    if source.model is None:
+        scorer = load_reward_function(source.function)
+        identity = {"role": "reward", "function": source.function}
+        return ScoredComponent(source.name, scorer, source.weight, score_transform(source)), identity
+    spec = settled_dtype(source.model, f"{where}.model", precision=precision, trained=False)
     tokenizer = load_tokenizer(spec)
     model = load_reward_model(spec).to(device)
     scorer = RewardModelScorer(
         model,
         tokenizer,
         chat_template=spec.chat_template,
-        max_length=reward_cfg.max_length,
-        batch_size=reward_cfg.batch_size,
-        batch_tokens=reward_cfg.batch_tokens,
+        max_length=source.max_length,
+        batch_size=source.batch_size,
+        batch_tokens=source.batch_tokens,
     )
     identity = model_identity(
-        "reward",
-        model,
-        source=resolve_source(spec),
-        tokenizer=tokenizer,
-        chat_template=spec.chat_template,
+        "reward", model, source=resolve_source(spec), tokenizer=tokenizer, chat_template=spec.chat_template
     ).to_dict()
-    return LoadedReward(scorer, model, identity)
+    return ScoredComponent(source.name, scorer, source.weight, score_transform(source), model), identity
+
+
+def load_reward(
+    reward_cfg: RewardConfig, device: torch.device | str = "cpu", precision: str = "fp32"
+) -> LoadedReward:
+    """``reward.model`` or ``reward.function`` (one source), or every one of ``reward.components``."""
+    named = bool(reward_cfg.components)
+    loaded = [
+        load_reward_component(source, f"reward.components[{i}]" if named else "reward", device, precision)
+        for i, source in enumerate(reward_cfg.sources())
+    ]
+    gate = (reward_cfg.gate.component, reward_cfg.gate.below) if reward_cfg.gate else None
+    reward = CombinedReward([component for component, _ in loaded], gate, named)
+    if not named:
+        return LoadedReward(reward, loaded[0][1])
+    identities = {c.name: {**identity, "weight": c.weight} for c, identity in loaded}
+    return LoadedReward(reward, {"role": "reward", "components": identities})
 
 
 def load_value_model(cfg: Config, policy: nn.Module, reward: LoadedReward, tokenizer, device) -> ValueModel:
@@ -106,18 +135,19 @@ def load_value_model(cfg: Config, policy: nn.Module, reward: LoadedReward, token
     if v.mode == "shared":
         return ValueModel.shared_trunk(policy).to(device)
     if v.init_from == "reward":
-        if reward.model is None:
+        learned = reward.first_model()
+        if learned is None:
             raise LmppoError(
-                "models.value.init_from=reward needs a reward model (reward.model); "
+                "models.value.init_from=reward needs a reward model (reward.model, or a learned reward component); "
                 "with a programmatic reward use models.value.init_from=policy"
             )
-        if reward.reward.tokenizer.get_vocab() != tokenizer.get_vocab():
+        if learned.score.tokenizer.get_vocab() != tokenizer.get_vocab():
             raise LmppoError(
                 f"models.value.init_from=reward: the critic reads the policy's token ids, but the reward model "
-                f"({cfg.reward.model.path}) has its own tokenizer with another vocabulary; set "
+                f"({learned.name}) has its own tokenizer with another vocabulary; set "
                 "models.value.init_from=policy (or models.value.mode=shared)"
             )
-        value = ValueModel.from_reward_model(reward.model)
+        value = ValueModel.from_reward_model(learned.model)
     else:
         value = ValueModel.from_causal_lm(policy)
     # what is trained is fp32 master weights, also when copied from a 16-bit frozen model
@@ -183,7 +213,7 @@ def load_models(cfg: Config, device: torch.device) -> PPOModels:
         ).to_dict(),
     }
     identities["value"]["init_from"] = "policy" if value.shared_trunk else m.value.init_from
-    return PPOModels(policy, reference, value, tokenizer, reward.reward, identities, reward.model)
+    return PPOModels(policy, reference, value, tokenizer, reward.reward, identities)
 
 
 def generator_options(cfg: Config) -> dict:

@@ -66,8 +66,9 @@ class ModelsConfig(Section):
     value: ValueConfig = ValueConfig()
 
 
-class RewardConfig(Section):
-    """The reward: a learned reward model *or* a programmatic ``module:function``, plus preprocessing."""
+class RewardSource(Section):
+    """One reward: a learned reward model *or* a programmatic ``module:function``, and its preprocessing
+    (in this order: missing-EOS penalty, running normalisation, clip)."""
 
     model: ModelSource | None = None
     function: str | None = Field(
@@ -89,13 +90,74 @@ class RewardConfig(Section):
     clip: float | None = Field(None, gt=0, description="clip scores to [-clip, clip]")
     normalize: bool = Field(False, description="running mean/std normalisation of scores")
 
+
+SOURCE_KEYS = tuple(RewardSource.model_fields)
+
+
+class RewardComponent(RewardSource):
+    """One of several rewards (``reward.components``): its weighted, preprocessed score is summed."""
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9_-]+$", description="names its metrics: reward/<name>/raw, reward/<name>/used"
+    )
+    weight: float = Field(1.0, description="its preprocessed score's weight in the sum")
+
     @model_validator(mode="after")
-    def _exactly_one_source(self) -> RewardConfig:
+    def _exactly_one_source(self) -> RewardComponent:
         if (self.model is None) == (self.function is None):
+            raise ValueError(f"reward component {self.name!r}: set exactly one of model or function")
+        return self
+
+
+class RewardGate(Section):
+    """Llama 2's safety gate: rows whose ``component`` scores (raw) below ``below`` get that component's
+    preprocessed score alone instead of the weighted sum."""
+
+    component: str
+    below: float
+
+
+class RewardConfig(RewardSource):
+    """The reward: one source (``model`` or ``function``, with its preprocessing here), or ``components``,
+    several weighted sources each with its own preprocessing (and an optional ``gate``)."""
+
+    components: list[RewardComponent] = []
+    gate: RewardGate | None = None
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> RewardConfig:
+        if not self.components:
+            if (self.model is None) == (self.function is None):
+                raise ValueError(
+                    "set exactly one of reward.model (a reward model) or reward.function ('module:fn'), or a "
+                    "list of reward.components"
+                )
+            if self.gate is not None:
+                raise ValueError("reward.gate picks between reward.components; list the components first")
+            return self
+        beside = sorted(set(SOURCE_KEYS) & self.model_fields_set)
+        if beside:
             raise ValueError(
-                "set exactly one of reward.model (a reward model) or reward.function ('module:fn')"
+                f"reward.components is set, so reward.{beside[0]} has no source to apply to; move "
+                f"{', '.join(f'reward.{key}' for key in beside)} into each component"
+            )
+        names = [component.name for component in self.components]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(
+                f"reward.components: the name {twice[0]!r} is used twice; give each a unique name"
+            )
+        if self.gate is not None and self.gate.component not in names:
+            raise ValueError(
+                f"reward.gate.component={self.gate.component!r} is not one of the components {names}"
             )
         return self
+
+    def sources(self) -> list[RewardComponent]:
+        """The components; the one-source shorthand is one component named "reward" of weight 1."""
+        if self.components:
+            return list(self.components)
+        return [RewardComponent(name="reward", **{key: getattr(self, key) for key in SOURCE_KEYS})]
 
 
 class DataConfig(Section):
@@ -389,9 +451,11 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _missing_eos_penalty_needs_scored_truncations(self) -> Config:
-        if self.reward.missing_eos_penalty is not None and self.rollout.truncation == "bootstrap":
+        penalised = [c for c in self.reward.sources() if c.missing_eos_penalty is not None]
+        if penalised and self.rollout.truncation == "bootstrap":
+            key = "reward" if not self.reward.components else f"reward component {penalised[0].name!r}"
             raise ValueError(
-                "reward.missing_eos_penalty penalises truncated rows' scores, but rollout.truncation=bootstrap "
+                f"{key}'s missing_eos_penalty penalises truncated rows' scores, but rollout.truncation=bootstrap "
                 "gives truncated rows no score: set rollout.truncation=terminal or remove the penalty"
             )
         return self
@@ -485,10 +549,22 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     *parents, leaf = key.strip().split(".")
     node = raw
     for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
+        node = (
+            node[_list_index(node, part, override)] if isinstance(node, list) else node.setdefault(part, {})
+        )
+        if not isinstance(node, dict | list):
             raise LmppoError(f"override {override!r}: {part!r} is a value, not a section")
-    node[leaf] = yaml.safe_load(value)
+    node[_list_index(node, leaf, override) if isinstance(node, list) else leaf] = yaml.safe_load(value)
+
+
+def _list_index(node: list, part: str, override: str) -> int:
+    """``part`` as an index into a list of the config (``reward.components.1.weight=2``)."""
+    if not part.isdigit() or int(part) >= len(node):
+        raise LmppoError(
+            f"override {override!r}: {part!r} is not an index of that list (it has {len(node)} items: 0 to "
+            f"{len(node) - 1})"
+        )
+    return int(part)
 
 
 def validate_config(raw: dict[str, Any], source: str = "config", schema: type[Section] = Config) -> Section:

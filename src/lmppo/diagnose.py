@@ -72,6 +72,7 @@ def _recent(points: list[tuple[int, float]], cfg: DiagnosisConfig) -> list[tuple
 
 
 def over_optimisation(records: Records, cfg: DiagnosisConfig) -> Finding | None:
+    """The training reward (the combined score, or any one component of it) up while held-out quality is not."""
     train = series(records, "reward/rm_score")
     metric = "eval/gold_score" if series(records, "eval/gold_score") else "eval/reward/rm_score"
     held_out = series(records, metric)
@@ -88,23 +89,29 @@ def over_optimisation(records: Records, cfg: DiagnosisConfig) -> Finding | None:
                 "kl.beta",
             )
         return None
-    first, final = _ends(train, cfg.window)
-    rise = final - first
-    spread = statistics.pstdev(value for _, value in train) or 1.0
     start, last = held_out[0][1], held_out[-1][1]
     best_step, best_before = max(held_out[:-1], key=lambda point: point[1])
     kept = (last - start) / (best_before - start) if best_before > start else 1.0
-    if rise / spread < cfg.reward_rise_std or (last > start and kept >= cfg.held_out_keep):
+    if last > start and kept >= cfg.held_out_keep:
         return None
-    return Finding(
-        "over_optimisation",
-        (held_out[0][0], held_out[-1][0]),
-        f"reward/rm_score rose by {rise:.3g} ({rise / spread:.1f} std) while {metric} went "
-        f"{start:.3g} -> {last:.3g}, below its best {best_before:.3g} at step {best_step}",
-        "the policy exploits the reward model instead of getting better (Gao et al. 2022)",
-        "keep the policy of the best held-out step (best/); lower kl.target or raise kl.beta; fewer ppo.ppo_epochs; "
-        "retrain the reward model on the policy's own samples",
+    components = sorted(
+        {key for r in records for key in r if key.startswith("reward/") and key.endswith("/raw")}
     )
+    for reward in ("reward/rm_score", *components):
+        points = series(records, reward)
+        first, final = _ends(points, cfg.window)
+        rise, spread = final - first, statistics.pstdev(value for _, value in points) or 1.0
+        if len(points) >= cfg.min_steps and rise / spread >= cfg.reward_rise_std:
+            return Finding(
+                "over_optimisation",
+                (held_out[0][0], held_out[-1][0]),
+                f"{reward} rose by {rise:.3g} ({rise / spread:.1f} std) while {metric} went "
+                f"{start:.3g} -> {last:.3g}, below its best {best_before:.3g} at step {best_step}",
+                "the policy exploits the reward model instead of getting better (Gao et al. 2022)",
+                "keep the policy of the best held-out step (best/); lower kl.target or raise kl.beta; fewer "
+                "ppo.ppo_epochs; retrain the reward model on the policy's own samples",
+            )
+    return None
 
 
 def kl_explosion(records: Records, cfg: DiagnosisConfig) -> Finding | None:

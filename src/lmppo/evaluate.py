@@ -9,7 +9,8 @@ seeded with ``seed`` (common random numbers, so SFT and PPO face the same noise)
 
 Metrics are the training metrics' names under ``eval/`` (docs/metrics.md): ``eval/reward/rm_score``,
 ``eval/kl/ref`` (mean per-sequence sum of the k1 estimate), ``eval/response/length``,
-``eval/response/eos_frac``; and ``eval/gold_score`` (when a gold judge is given), ``eval/demo_ppl``
+``eval/response/eos_frac``; with ``reward.components``, ``eval/reward/<name>/raw`` per component; and
+``eval/gold_score`` (when a gold judge is given), ``eval/demo_ppl``
 (perplexity of held-out demonstrations: the alignment tax) and, from :func:`compare_policies`,
 ``eval/win_rate`` (against the baseline policy on the same prompts).
 
@@ -170,13 +171,26 @@ def _seeded_rng(seed: int, model) -> Iterator[None]:
 
 def _measure(rollout: Rollout, reward_fn, policy, reference, gold_fn) -> list[dict]:
     """Per-row records of one generated batch."""
-    rm_scores = reward_fn(rollout.prompts, rollout.response_texts).tolist()
+    components = (  # several named rewards: each one's raw score too
+        reward_fn.raw_scores(rollout.prompts, rollout.response_texts)
+        if getattr(reward_fn, "named", False)
+        else {}
+    )
+    scores = (
+        reward_fn.weighted(components) if components else reward_fn(rollout.prompts, rollout.response_texts)
+    )
     rows = [
         {"prompt": prompt, "response": response, "rm_score": score, "length": int(length), "eos": bool(eos)}
         for prompt, response, score, length, eos in zip(
-            rollout.prompts, rollout.response_texts, rm_scores, rollout.response_lengths, rollout.terminated
+            rollout.prompts,
+            rollout.response_texts,
+            scores.tolist(),
+            rollout.response_lengths,
+            rollout.terminated,
         )
     ]
+    for i, row in enumerate(rows if components else ()):
+        row["components"] = {name: float(values[i]) for name, values in components.items()}
     if reference is not None:
         for row, kl in zip(rows, _sequence_kl(policy, reference, rollout).tolist()):
             row["kl_ref"] = kl
@@ -203,12 +217,15 @@ def _sequence_kl(policy, reference, rollout: Rollout) -> torch.Tensor:
 
 
 def _means(rows: Sequence[dict]) -> dict[str, float]:
-    """eval/* mean of every per-row field present in the rows."""
-    return {
+    """eval/* mean of every per-row field present in the rows, and of each reward component's score."""
+    means = {
         metric: sum(float(row[key]) for row in rows) / len(rows)
         for key, metric in ROW_METRICS.items()
         if rows and key in rows[0]
     }
+    for name in rows[0].get("components", {}) if rows else ():
+        means[f"eval/reward/{name}/raw"] = sum(row["components"][name] for row in rows) / len(rows)
+    return means
 
 
 def _slice_means(rows: Sequence[dict]) -> dict[str, dict[str, float]]:

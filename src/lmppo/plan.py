@@ -220,16 +220,24 @@ def model_rows(cfg: Config, precision: str) -> tuple[list[ModelRow], dict[str, S
     else:
         rows.append(_row("reference", params, 0, "bfloat16" if precision == "bf16" else "float32", "a copy"))
 
-    reward_model, reward_dtype = None, "float32"
-    if cfg.reward.model is not None:
-        spec = settled_dtype(cfg.reward.model, "reward.model", precision=precision, trained=False)
+    reward_model, reward_dtype, reward_shape = (
+        None,
+        "float32",
+        None,
+    )  # the first learned one: a critic may start from it
+    for source in cfg.reward.sources():
+        role = f"reward {source.name}" if cfg.reward.components else "reward"
+        if source.model is None:
+            rows.append(_row(role, 0, 0, "-", "function"))
+            continue
+        spec = settled_dtype(source.model, f"{role}.model", precision=precision, trained=False)
         reward_config = load_model_config(spec)
-        reward_model, reward_dtype = _frozen(_meta_model(reward_config, reward=True)), spec.dtype
-        rows.append(_row("reward", _counts(reward_model)[0], 0, spec.dtype))
+        frozen = _frozen(_meta_model(reward_config, reward=True))
+        rows.append(_row(role, _counts(frozen)[0], 0, spec.dtype))
         conversions.append(conversion_bytes(spec))
-        shapes["reward"] = Shape.of(reward_config)
-    else:
-        rows.append(_row("reward", 0, 0, "-", "function"))
+        shapes[role] = Shape.of(reward_config)
+        if reward_model is None:
+            reward_model, reward_dtype, reward_shape = frozen, spec.dtype, shapes[role]
 
     v = m.value
     if v.mode == "shared":
@@ -238,12 +246,12 @@ def model_rows(cfg: Config, precision: str) -> tuple[list[ModelRow], dict[str, S
     else:
         if v.init_from == "reward" and reward_model is None:
             raise LmppoError(
-                "models.value.init_from=reward needs a reward model (reward.model); "
+                "models.value.init_from=reward needs a reward model (reward.model, or a learned reward component); "
                 "with a programmatic reward use models.value.init_from=policy"
             )
         if v.init_from == "reward":
             value, base_dtype = ValueModel.from_reward_model(reward_model), reward_dtype
-            shapes["value"] = shapes["reward"]
+            shapes["value"] = reward_shape
         else:
             value, base_dtype = ValueModel.from_causal_lm(policy), policy_spec.dtype
             shapes["value"] = shapes["policy"]
@@ -317,11 +325,11 @@ def phase_bytes(
         )
     stored = forward_tokens * policy.working_per_token(act)
     stored += forward_tokens * response // length * policy.vocab * (act + 8)
-    if "reward" in shapes:
-        rm_tokens = cfg.reward.batch_tokens or min(cfg.reward.batch_size, batch) * (
-            cfg.reward.max_length or length
-        )
-        stored = max(stored, rm_tokens * shapes["reward"].working_per_token(act))
+    for source in cfg.reward.sources():  # each reward model scores its own batches, one at a time
+        shape = shapes.get(f"reward {source.name}" if cfg.reward.components else "reward")
+        if shape is not None:
+            rm_tokens = source.batch_tokens or min(source.batch_size, batch) * (source.max_length or length)
+            stored = max(stored, rm_tokens * shape.working_per_token(act))
 
     # Update: the saved activations of one micro-batch (policy and a separate critic), its logits with
     # their gradient, autocast's bf16 copies of trained weights and, under DDP, the gradient buckets.
@@ -369,7 +377,8 @@ def _gathered_bytes(
     policy, value = by_role["policy"], by_role["value"]
     shared = cfg.models.value.mode == "shared"
     passes = [value.gathered(act) + (policy.gathered(act) if shared else 0)]
-    passes += [by_role[role].gathered(act) for role in ("reference", "reward") if by_role[role].shards > 1]
+    frozen = [row for role, row in by_role.items() if role == "reference" or role.startswith("reward")]
+    passes += [row.gathered(act) for row in frozen if row.shards > 1]
     update = 0
     for role in ("policy",) if shared else ("policy", "value"):
         shape = shapes[role]

@@ -96,6 +96,7 @@ CURVES: dict[str, tuple[str, tuple[Panel, ...]]] = {
         ),
     ),
 }
+COMPONENTS = "components"  # one panel per reward component, when the run has several
 RM_ACCURACY = "rm_accuracy"
 EVAL_SLICES = "eval_slices"
 OVEROPTIMISATION = "overoptimisation"
@@ -138,7 +139,7 @@ def report(run_dir: str | Path, compare: Sequence[str | Path] = ()) -> Path:
     runs = _load_runs([run_dir, *map(Path, compare)])
     out = run_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
-    for name in [*CURVES, RM_ACCURACY, EVAL_SLICES, OVEROPTIMISATION]:
+    for name in [*CURVES, COMPONENTS, RM_ACCURACY, EVAL_SLICES, OVEROPTIMISATION]:
         (out / f"{name}.png").unlink(missing_ok=True)  # a figure this run no longer has must not linger
 
     evaluation = _read_json(run_dir / EVAL_FILE)
@@ -196,10 +197,29 @@ def _series(records: Sequence[dict], metric: str) -> tuple[list[int], list[float
 def _curves_section(runs: list[tuple[str, list[dict]]], out: Path) -> str:
     figures = [
         _figure_html(out / f"{name}.png", caption)
-        for name, (caption, panels) in CURVES.items()
+        for name, (caption, panels) in {**CURVES, **_component_curves(runs[0][1])}.items()
         if _plot_curves(out / f"{name}.png", panels, runs)
     ]
     return "<h2>Training curves</h2>" + ("".join(figures) or "<p>No known metrics logged yet.</p>")
+
+
+def _component_curves(records: Sequence[dict]) -> dict[str, tuple[str, tuple[Panel, ...]]]:
+    """With reward.components: each component's raw training and held-out score and its weighted,
+    preprocessed share, one panel each, so one rising while another falls is seen."""
+    names = sorted(
+        {k.split("/")[1] for r in records for k in r if k.startswith("reward/") and k.endswith("/raw")}
+    )
+    if not names:
+        return {}
+    panels = tuple(
+        Panel(
+            f"reward component {name}",
+            (f"reward/{name}/raw", f"eval/reward/{name}/raw", f"reward/{name}/used"),
+        )
+        for name in names
+    )
+    caption = "Reward components apart: raw score (training and held-out) and the weighted share PPO used."
+    return {COMPONENTS: (caption, panels)}
 
 
 def _diagnosis_section(findings: list[Finding]) -> str:

@@ -240,7 +240,7 @@ def _train(
     def evaluate() -> dict[str, float]:
         """Held-out eval/* metrics of the current policy, global (in its own RNG stream: the
         training draws stay as they were)."""
-        with trainer.autocast(), gathered(models.policy, models.reference, models.reward_model):
+        with trainer.autocast(), gathered(models.policy, models.reference, *models.reward_models):
             return evaluator()
 
     def improves_best(metrics: dict[str, float]) -> bool:
@@ -255,7 +255,7 @@ def _train(
     def reward_preflight() -> Preflight:
         """How the reward scores the starting policy's samples (global; its own RNG stream)."""
         slices = prompt_slices(cfg.data.prompts, cfg.data.split, cfg.data.slice_key)
-        with trainer.autocast(), gathered(models.policy, models.reward_model):
+        with trainer.autocast(), gathered(models.policy, *models.reward_models):
             return run_preflight(
                 cfg, models.policy, models.tokenizer, models.reward, prompts, slices,
                 dist_info.rank, dist_info.world_size, dist_info.group,
@@ -464,6 +464,19 @@ def export_best(run_dir: Path, best: dict, cfg: Config, device: torch.device, to
     return export_final(run_dir / "best", policy, tokenizer, cfg, f"step {best['step']}: {held_out}")
 
 
+def reward_summary(cfg: Config) -> str:
+    """The reward as the model card states it: each source, its weight and its preprocessing."""
+    parts = []
+    for c in cfg.reward.sources():
+        source = c.model.path if c.model else f"the function {c.function}"
+        weight = f"{c.name}: {c.weight:g} x " if cfg.reward.components else ""
+        preprocessing = f"missing-EOS penalty {c.missing_eos_penalty}, clip {c.clip}, normalize {c.normalize}"
+        parts.append(f"{weight}{source} (preprocessing: {preprocessing})")
+    gate = cfg.reward.gate
+    gated = f"; rows with {gate.component} below {gate.below:g} get {gate.component} alone" if gate else ""
+    return " + ".join(parts) + gated
+
+
 def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config, which: str = "") -> Path:
     """The trained policy as a plain transformers directory, with our decoding settings and a model card;
     ``which`` says which of the run's policies it is when not the last (``best/``)."""
@@ -480,7 +493,7 @@ def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config, which
     )
     policy.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    reward = cfg.reward.model.path if cfg.reward.model else f"the function {cfg.reward.function}"
+    reward = reward_summary(cfg)
     kl = (
         f"adaptive, target {cfg.kl.target} nats, horizon {cfg.kl.horizon}"
         if cfg.kl.adaptive
@@ -495,8 +508,7 @@ def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config, which
         f"# PPO policy trained with lmppo\n\n"
         f"- Started from: `{cfg.models.policy.path}` (reference: the starting weights)\n"
         f"{which}"
-        f"- Reward: {reward}; preprocessing: missing-EOS penalty {cfg.reward.missing_eos_penalty}, "
-        f"clip {cfg.reward.clip}, normalize {cfg.reward.normalize}\n"
+        f"- Reward: {reward}\n"
         f"- KL: {cfg.kl.estimator} estimator per token in the reward, {kl}\n"
         f"- PPO: {cfg.run.steps} steps of {cfg.rollout.batch_size} prompts, {cfg.ppo.ppo_epochs} epochs, "
         f"clip {cfg.ppo.clip_eps}, gamma {cfg.ppo.gamma}, lambda {cfg.ppo.lam}, lr {cfg.ppo.lr}\n"

@@ -15,6 +15,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -294,3 +295,85 @@ class ScoreTransform:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.count, self.mean, self.var = float(state["count"]), float(state["mean"]), float(state["var"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Several rewards at once
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ScoredComponent:
+    """One reward component: its scorer (raw scores), weight, preprocessing and, if learned, its model."""
+
+    name: str
+    score: RewardFunction
+    weight: float = 1.0
+    transform: ScoreTransform = field(default_factory=ScoreTransform)
+    model: torch.nn.Module | None = None
+
+
+class CombinedReward:
+    """The run's reward: ``components`` scored in one sweep, each preprocessed by its own transform, and
+    summed with their weights into the scalar on each response's last token.
+
+    Called as a :class:`RewardFunction` (evaluation, the pre-flight) it returns the weighted sum of the
+    *raw* scores, with no transform state touched. ``gate`` = (component, below): rows whose raw score of
+    that component is below ``below`` take its preprocessed score alone (Llama 2's safety gate).
+    ``named`` says whether the components have metrics of their own (``reward.components``), not only
+    the shorthand's one source.
+    """
+
+    def __init__(
+        self,
+        components: Sequence[ScoredComponent],
+        gate: tuple[str, float] | None = None,
+        named: bool = False,
+    ) -> None:
+        self.components, self.gate, self.named = list(components), gate, named
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """The learned components' frozen networks (sharded, gathered and counted like the reference)."""
+        return [c.model for c in self.components if c.model is not None]
+
+    def raw_scores(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> dict[str, torch.Tensor]:
+        """name -> (B,) float32 raw scores, each component on its own rendering of the texts."""
+        return {c.name: c.score(prompts, responses).float() for c in self.components}
+
+    def weighted(self, scores: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B,) weighted sum of per-component scores."""
+        return sum(c.weight * scores[c.name] for c in self.components)
+
+    def __call__(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> torch.Tensor:
+        return self.weighted(self.raw_scores(prompts, responses))
+
+    def shape(
+        self, raw: dict[str, torch.Tensor], terminated: torch.Tensor, group: dist.ProcessGroup | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
+        """The (B,) score the PPO reward uses; per-row ``reward/<name>/raw`` and ``/used`` (weight included)
+        to average, when named; and each transform's statistics (under ``reward/<name>/`` when named)."""
+        used, per_row, stats = {}, {}, {}
+        for c in self.components:
+            used[c.name], info = c.transform(raw[c.name].to(terminated.device), terminated, group)
+            prefix = f"reward/{c.name}/" if self.named else "reward/"
+            stats.update({prefix + key.removeprefix("reward/"): value for key, value in info.items()})
+            if self.named:
+                per_row[f"reward/{c.name}/raw"] = raw[c.name].to(terminated.device)
+                per_row[f"reward/{c.name}/used"] = c.weight * used[c.name]
+        score = self.weighted(used)
+        if self.gate is not None:
+            name, below = self.gate
+            gated = raw[name].to(score.device) < below
+            score = torch.where(gated, used[name], score)
+            per_row["reward/gate_frac"] = gated.float()
+        return score, per_row, stats
+
+    def state_dict(self) -> dict[str, dict[str, float]]:
+        return {c.name: c.transform.state_dict() for c in self.components}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "count" in state:  # a one-source checkpoint of before reward components
+            state = {self.components[0].name: state}
+        for c in self.components:
+            c.transform.load_state_dict(state[c.name])

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lmppo import core
-from lmppo.build import PPOModels, build_generator
+from lmppo.build import PPOModels, build_generator, score_transform
 from lmppo.checkpoint import capture_rng_state, flatten_state, restore_rng_state, unflatten_state
 from lmppo.config import Config
 from lmppo.data import Prompt, PromptStream
@@ -55,7 +55,7 @@ from lmppo.rollout import (
     token_budget_micro_batches,
     value_predictions,
 )
-from lmppo.scoring import ScoreTransform
+from lmppo.scoring import CombinedReward, ScoredComponent
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -156,10 +156,12 @@ class PPOTrainer:
             self.optimizer, lr_lambda(cfg.ppo.lr_schedule, cfg.ppo.warmup_steps, cfg.run.steps)
         )
         self.kl_controller = self._build_kl_controller()
-        self.score_transform = ScoreTransform(
-            missing_eos_penalty=cfg.reward.missing_eos_penalty,
-            clip=cfg.reward.clip,
-            normalize=cfg.reward.normalize,
+        self.reward = (  # a bare reward function (tests, the API) gets the config's one-source preprocessing
+            models.reward
+            if isinstance(models.reward, CombinedReward)
+            else CombinedReward(
+                [ScoredComponent("reward", models.reward, transform=score_transform(cfg.reward))]
+            )
         )
         self.shuffle_generator = torch.Generator().manual_seed(cfg.run.seed + 1 + rank)
         self.step_count = 0  # PPO steps done
@@ -196,7 +198,7 @@ class PPOTrainer:
                 self.policy(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device))
             self.policy.reshard()
         if self.cfg.distributed.shard_frozen:
-            for frozen in (self.reference, self.models.reward_model):
+            for frozen in (self.reference, *self.models.reward_models):
                 if frozen is not None and not isinstance(frozen, LoraReference):  # LoRA: the policy's view
                     fully_shard_model(frozen, decoder_layers(frozen), mesh, counter)
         return counter
@@ -326,9 +328,12 @@ class PPOTrainer:
         mask = rollout.response_mask
         stored_pass = self.stored_pass_batching
         seconds: dict[str, float] = {}
-        with timed(seconds, "perf/reward_s"), self.autocast(), gathered(self.models.reward_model):
-            rm_score_raw = self.models.reward(rollout.prompts, rollout.response_texts).float().to(mask.device)
-        rm_score, transform_stats = self.score_transform(rm_score_raw, rollout.terminated, group)
+        with timed(seconds, "perf/reward_s"), self.autocast(), gathered(*self.models.reward_models):
+            raw = self.reward.raw_scores(rollout.prompts, rollout.response_texts)
+        rm_score_raw = self.reward.weighted(raw).to(mask.device)
+        rm_score, component_rows, transform_stats = self.reward.shape(
+            raw, rollout.terminated.to(mask.device), group
+        )
         with timed(seconds, "perf/reference_s"), self.autocast(), gathered(self.reference):
             logp_ref = sequence_logprobs(self.reference, rollout, **stored_pass)
         with timed(seconds, "perf/values_s"), self.autocast(), gathered(*self._value_modules()):
@@ -362,8 +367,9 @@ class PPOTrainer:
             "response/eos_frac": rollout.terminated.float(),
             "response/truncated_frac": (~rollout.terminated).float(),
         }
-        if transform_stats or cfg.rollout.truncation == "bootstrap":
+        if transform_stats or component_rows or cfg.rollout.truncation == "bootstrap":
             per_row["reward/rm_score_used"] = rm_score
+        per_row.update(component_rows)
         every_row = torch.ones(1, len(rollout), device=mask.device)
         stats = {
             key: core.masked_mean(value[None], every_row, group).item() for key, value in per_row.items()
@@ -662,7 +668,7 @@ class PPOTrainer:
             "tokens": self.tokens,
             "prompt_stream": self.prompt_stream.state_dict(),
             "kl_controller": self.kl_controller.state_dict(),
-            "score_transform": self.score_transform.state_dict(),
+            "score_transform": self.reward.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "optimizer": optimizer_skeleton,
             "rng": [j for j, _ in per_rank],  # one entry per rank
@@ -740,7 +746,7 @@ class PPOTrainer:
         self.optimizer.load_state_dict(self._optimizer_state_like_params(optimizer_state, place))
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_controller.load_state_dict(state["kl_controller"])
-        self.score_transform.load_state_dict(state["score_transform"])
+        self.reward.load_state_dict(state["score_transform"])
         self.prompt_stream.load_state_dict(state["prompt_stream"])
         self._restore_rank_rng(tensors["rng"], state["rng"], int(state["step"]))
         self.step_count, self.policy_version = int(state["step"]), int(state["policy_version"])

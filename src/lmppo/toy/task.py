@@ -126,6 +126,17 @@ def gold_score(prompt: str | Sequence[dict], response: str) -> float:
     return round(2.0 * _correctness(task, answer) + friendliness + ending, 4)
 
 
+def format_reward(prompts: Sequence, responses: Sequence[str]) -> list[float]:
+    """A programmatic format term for ``reward.components`` beside the learned RM: each "sure" past two
+    costs TOO_FRIENDLY (the gold judge's own rule, which the RM never saw) and an answer without its
+    closing period costs 0.5. It knows nothing of correctness: that is the RM's part."""
+    scores = []
+    for response in responses:
+        extra = max(re.findall(r"[a-z0-9]+", response.lower()).count("sure") - 2, 0)
+        scores.append(-TOO_FRIENDLY * extra - (0.0 if response.rstrip().endswith(".") else 0.5))
+    return scores
+
+
 def _correctness(task: Task, answer: list[str]) -> float:
     """How right the answer words are, in [0, 1]; missing and extra words cost the same."""
     if task.kind == "list":
