@@ -63,9 +63,8 @@ def test_a_reward_model_is_scored_with_its_own_tokenizer_and_identified(
     reward_tokenizer.save_pretrained(tmp_path / "rm")
     cfg = load_config(run_files, [f"reward.model.path={tmp_path / 'rm'}", "reward.function=null"])
     reward = load_reward(cfg.reward)
-    assert (
-        reward.model is not None and reward.reward.tokenizer.eos_token == "[EOS]"
-    )  # the RM's, not the policy's
+    learned = reward.first_model()
+    assert learned is not None and learned.score.tokenizer.eos_token == "[EOS]"  # the RM's, not the policy's
     assert reward.identity["role"] == "reward" and reward.identity["tokenizer_sha256"]
     scores = reward.reward(["tell me a story"], ["a good day"])
     assert scores.shape == (1,) and torch.isfinite(scores).all()

@@ -123,3 +123,15 @@ def test_lmppo_diagnose_reads_a_run_directory(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history()))
     assert run_cli("diagnose", str(tmp_path)) == 0
     assert "no known failure mode" in capsys.readouterr().out
+
+
+def test_a_component_rising_while_the_judge_falls_is_over_optimisation_even_if_the_sum_is_flat():
+    hacked = history(
+        reward__rm_score=lambda s: 1.0 + 0.01 * math.sin(s),  # the combined score hardly moves
+        reward__format__raw=lambda s: 0.05 * s,  # one component climbs
+        eval__gold_score=lambda s: 1.5 - 0.02 * s,
+    )
+    for record in hacked[1:]:
+        record["reward/format/raw"] = 0.05 * record["step"]  # not in the healthy history: set it here
+    found = {f.rule: f for f in diagnose(hacked)}
+    assert "over_optimisation" in found and "reward/format/raw rose" in found["over_optimisation"].evidence

@@ -184,3 +184,22 @@ def test_a_judge_that_raises_is_shown_as_the_users_code(policy_model, policy_tok
     with pytest.raises(LmppoError, match=r"the held-out judge judge raised KeyError") as err:
         evaluate(policy_model, policy_tokenizer, gold_fn=judge)
     assert "test_evaluate.py" in str(err.value)  # the judge's own frame
+
+
+def test_each_named_reward_component_is_evaluated_apart(policy_model, policy_tokenizer):
+    from lmppo.scoring import CombinedReward, ScoredComponent
+
+    reward = CombinedReward(
+        [
+            ScoredComponent("words", word_count),
+            ScoredComponent("good", lambda p, r: torch.tensor([1.0] * len(r)), 2.0),
+        ],
+        named=True,
+    )
+    result = evaluate(policy_model, policy_tokenizer, reward_fn=reward)
+    words = result.metrics["eval/reward/words/raw"]
+    assert result.metrics["eval/reward/good/raw"] == 1.0
+    assert result.metrics["eval/reward/rm_score"] == pytest.approx(
+        words + 2.0
+    )  # the weighted sum of the raw ones
+    assert all(set(row["components"]) == {"words", "good"} for row in result.rows)

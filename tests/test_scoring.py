@@ -245,11 +245,11 @@ def test_the_last_token_score_is_the_weighted_sum_of_each_components_preprocesse
     assert raw["good"].tolist() == [2.0, 0.0, 0.0, 0.0] and raw["length"].tolist() == [3.0, 5.0, 6.0, 1.0]
     score, per_row, stats = reward.shape(raw, terminated)
     good_used = (raw["good"] - 0.5) / math.sqrt(0.75 + 1e-8)  # normalised by this batch: mean 0.5, var 0.75
-    length_used = torch.tensor([3.0, 4.0, 3.0, 1.0])  # 5 - 1 (no EOS) = 4; 6 clipped to 3
+    length_used = torch.tensor([3.0, 3.0, 3.0, 1.0])  # 5 - 1 (no EOS) = 4 and 6: both clipped to 3
     torch.testing.assert_close(score, 2.0 * good_used - 0.5 * length_used)
     torch.testing.assert_close(per_row["reward/length/used"], -0.5 * length_used)
     assert per_row["reward/good/raw"].tolist() == raw["good"].tolist()
-    assert stats["reward/good/norm_mean"] == 0.5 and stats["reward/length/clip_frac"] == 0.25
+    assert stats["reward/good/norm_mean"] == 0.5 and stats["reward/length/clip_frac"] == 0.5
     assert reward(PROMPTS, RESPONSES).tolist() == (2.0 * raw["good"] - 0.5 * raw["length"]).tolist()
 
     resumed = CombinedReward(

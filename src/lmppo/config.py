@@ -135,7 +135,7 @@ class RewardConfig(RewardSource):
             if self.gate is not None:
                 raise ValueError("reward.gate picks between reward.components; list the components first")
             return self
-        beside = sorted(set(SOURCE_KEYS) & self.model_fields_set)
+        beside = [key for key in SOURCE_KEYS if getattr(self, key) != RewardSource.model_fields[key].default]
         if beside:
             raise ValueError(
                 f"reward.components is set, so reward.{beside[0]} has no source to apply to; move "
