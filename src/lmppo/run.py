@@ -334,17 +334,7 @@ def _train(
                     else None
                 )
                 barrier(dist_info.group)  # no rank exits (torchrun then stops the rest) while rank 0 writes
-                findings = (
-                    "".join(f"\n- {finding}" for finding in live.findings()) or " no known failure mode."
-                )
-                raise GuardAbort(
-                    f"{violation.message}\n"
-                    f"The state at the abort is in {aborted}; the last known good checkpoint is "
-                    f"{last_good_checkpoint(run_dir)} (the pre-PPO policy is {cfg.models.policy.path})"
-                    + (f"; the policy of the best held-out step is exported to {kept}" if kept else "")
-                    + f".\nDiagnosis of the metrics so far (`lmppo diagnose {run_dir}`):{findings}",
-                    run_dir,
-                )
+                raise guard_abort(violation, aborted, kept, live.findings(), cfg)
             if any_rank(stop.requested is not None, dist_info.group):  # a signal may reach one rank first
                 path = save("interrupted")
                 received = stop.requested or signal.SIGTERM  # the rank the signal reached first knows which
@@ -366,6 +356,22 @@ def _train(
             export_best(run_dir, best, cfg, device, models.tokenizer)
     barrier(dist_info.group)  # no rank leaves (and tears the group down) before the final model is written
     return run_dir
+
+
+def guard_abort(
+    violation, aborted: Path | None, kept: Path | None, findings: list, cfg: Config
+) -> GuardAbort:
+    """What a run stopped by a guard says: the guard's message, the checkpoints it leaves (and ``kept``, the
+    exported best policy), and what the diagnosis rules find in its metrics so far."""
+    run_dir = Path(cfg.run.output_dir)
+    diagnosis = "".join(f"\n- {finding}" for finding in findings) or " no known failure mode."
+    best = f"; the policy of the best held-out step is exported to {kept}" if kept else ""
+    return GuardAbort(
+        f"{violation.message}\nThe state at the abort is in {aborted}; the last known good checkpoint is "
+        f"{last_good_checkpoint(run_dir)} (the pre-PPO policy is {cfg.models.policy.path}){best}.\n"
+        f"Diagnosis of the metrics so far (`lmppo diagnose {run_dir}`):{diagnosis}",
+        run_dir,
+    )
 
 
 def resumed_config(run_dir: Path) -> Path:
