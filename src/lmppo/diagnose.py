@@ -250,17 +250,17 @@ def reward_bias(records: Records, cfg: DiagnosisConfig) -> Finding | None:
     length, eos = series(records, "preflight/length_spearman"), series(records, "preflight/eos_corr")
     if length and abs(length[0][1]) >= cfg.length_corr_high:
         metric, field, value = "preflight/length_spearman", "length_corr_high", length[0][1]
-        favoured = "longer" if value > 0 else "shorter"
+        favoured = "longer responses" if value > 0 else "shorter responses"
     elif eos and eos[0][1] <= -cfg.eos_corr_high:
         metric, field, value = "preflight/eos_corr", "eos_corr_high", eos[0][1]
-        favoured = "cut at rollout.max_new_tokens over those that end"
+        favoured = "responses cut at rollout.max_new_tokens over those that end on EOS"
     else:
         return None
     return Finding(
         "reward_bias",
         (0, 0),
         f"{metric} = {value:+.2f} on {samples[0][1]:.0f} samples of the starting policy (|{value:.2f}| >= "
-        f"diagnosis.{field}={getattr(cfg, field):g}): the reward favours responses {favoured}",
+        f"diagnosis.{field}={getattr(cfg, field):g}): the reward favours {favoured}",
         "a scalar reward carries a length or truncation bias, and PPO moves the policy along it rather "
         "than towards better answers",
         "check the reward by length slice and retrain it on length-balanced pairs; reward.missing_eos_penalty "
