@@ -169,7 +169,6 @@ def run_preflight(
 def check_reward(cfg) -> tuple[Preflight, Finding | None]:
     """``lmppo check-rm CONFIG``: the run's pre-flight without training (its starting policy, reward and
     prompts, on one process), with the ``reward_bias`` rule's finding."""
-
     device = resolve_device(cfg.run.device)
     precision = resolve_precision(cfg.run.precision, device)
     batches = max(cfg.diagnosis.preflight_batches, 1)  # asked for explicitly: at least one batch
