@@ -84,10 +84,17 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
+def held_out_score(metrics: Mapping[str, float]) -> tuple[str, float] | None:
+    """(metric, value) of the held-out score the guards and the best checkpoint follow: the judge's,
+    else the RM's; None when the record has no finite one."""
+    metric = "eval/gold_score" if "eval/gold_score" in metrics else "eval/reward/rm_score"
+    value = metrics.get(metric)
+    return (metric, value) if value is not None and math.isfinite(value) else None
+
+
 def _held_out(metrics: Mapping[str, float]) -> float | None:
-    """The held-out score the guards and the best checkpoint follow: the judge's, else the RM's."""
-    value = metrics.get("eval/gold_score", metrics.get("eval/reward/rm_score"))
-    return value if value is not None and math.isfinite(value) else None
+    score = held_out_score(metrics)
+    return score[1] if score else None
 
 
 class Guards:

@@ -50,7 +50,7 @@ from lmppo.distributed import (
 )
 from lmppo.errors import GuardAbort, Interrupted, LmppoError, UserCodeError
 from lmppo.evaluate import run_evaluator
-from lmppo.guards import Guards
+from lmppo.guards import Guards, held_out_score
 from lmppo.metrics import METRICS_FILE, MetricsLogger, ProgressDisplay, read_metrics, reduce_metrics
 from lmppo.models import resolve_device, resolve_precision
 from lmppo.plan import check_plan
@@ -246,10 +246,10 @@ def _train(
     def improves_best(metrics: dict[str, float]) -> bool:
         """Whether this step's held-out score (the judge's, else the RM's) beats every earlier one; if so
         it becomes the best. The seeds stop on held-out quality, not on the training reward."""
-        metric = "eval/gold_score" if "eval/gold_score" in metrics else "eval/reward/rm_score"
-        if metric not in metrics or (best and metrics[metric] <= best["score"]):
+        score = held_out_score(metrics)
+        if score is None or (best and score[1] <= best["score"]):
             return False
-        best.update(step=trainer.step_count, metric=metric, score=metrics[metric])
+        best.update(step=trainer.step_count, metric=score[0], score=score[1])
         return True
 
     def reward_preflight() -> Preflight:
