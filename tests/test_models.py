@@ -21,7 +21,9 @@ from lmppo.models import (
     load_causal_lm,
     load_reward_model,
     load_tokenizer,
+    lora_merged,
     make_reference,
+    mergeable_lora_layers,
     model_identity,
     resolve_source,
     trainable_parameters,
@@ -169,6 +171,33 @@ def test_lora_reference_is_the_base_and_the_adapter_changes_the_policy_only(poli
     assert identity["trainable_parameters"] == 0 and identity["lora"]["adapter"] == "disabled"
     assert identity["num_parameters"] == model_identity("base", base_copy).num_parameters  # the base weights
     assert model_identity("policy", policy).lora == {**identity["lora"], "adapter": "enabled"}
+
+
+def test_lora_merged_decodes_like_the_adapter_and_leaves_the_base_untouched(policy_model, policy_tokenizer):
+    policy = apply_lora(policy_model, r=4, alpha=8, target_modules="all-linear").eval()
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    base_weights = {n: p.clone() for n, p in policy.named_parameters() if "base_layer" in n}
+    flags = {n: p.requires_grad for n, p in policy.named_parameters()}
+    adapted = logits(policy)
+    assert mergeable_lora_layers(policy)
+    with torch.inference_mode(), lora_merged(policy):
+        merged = logits(policy)
+        assert not any(p.requires_grad for p in policy.parameters())  # nothing to train inside
+    torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=0)
+    for name, param in policy.named_parameters():
+        assert param.requires_grad == flags[name]
+        if name in base_weights:
+            assert torch.equal(param, base_weights[name])  # bit for bit: the reference's weights
+    torch.testing.assert_close(logits(policy), adapted, atol=0, rtol=0)  # the adapter runs again
+    with pytest.raises(RuntimeError, match="inference"), lora_merged(policy):
+        pass
+    # a 16-bit base, or autocast, would round the adapter's small update away: left as it is
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mergeable_lora_layers(policy) == []
+    assert mergeable_lora_layers(policy_model.__class__(policy_model.config)) == []  # no LoRA at all
 
 
 def test_value_model_from_reward_model_is_a_trainable_copy(make_reward_model, policy_tokenizer):

@@ -82,6 +82,14 @@ class Shape:
             return self.layers * act_bytes * self.hidden + full_layer
         return self.layers * full_layer
 
+    def adapted_weights(self, target_modules: str | list[str]) -> int:
+        """Weights of the decoder's linears LoRA adapts (Llama-style names; ``all-linear``: all of them)."""
+        h, kv, i = self.hidden, self.kv_width, self.intermediate
+        linears = {"q_proj": h * h, "k_proj": h * kv, "v_proj": h * kv, "o_proj": h * h}
+        linears |= {"gate_proj": h * i, "up_proj": h * i, "down_proj": i * h}
+        names = linears if target_modules == "all-linear" else target_modules
+        return self.layers * sum(linears.get(name, 0) for name in names)
+
     def working_per_token(self, act_bytes: int) -> int:
         return act_bytes * (WORKING_HIDDEN * self.hidden + WORKING_MLP * self.intermediate)
 
@@ -312,6 +320,10 @@ def phase_bytes(
         kv = 2 * policy.layers * policy.kv_width * act * batch * length
         rollout = kv + batch * prompt_tokens * policy.working_per_token(act) + batch * policy.vocab * 16
         rollout_how = f"KV cache of {batch} x {length} tokens: {size(kv)}"
+        if cfg.models.policy_lora.enabled and precision == "fp32" and by_role["policy"].shards == 1:
+            merged = 4 * policy.adapted_weights(cfg.models.policy_lora.target_modules)
+            rollout += merged  # the decode loop's folded copy of the adapted weights (models.lora_merged)
+            rollout_how += f" + LoRA folded into a copy of the adapted weights: {size(merged)}"
 
     # Stored passes (no gradients): logits of a forward batch (compute dtype + fp32 copy + log-softmax).
     if cfg.rollout.forward_batch_tokens:

@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase, StaticCache, TopKLogitsWarper,
 from lmppo.core import last_response_index, token_logprobs
 from lmppo.data import Prompt, render_query_ids
 from lmppo.errors import LmppoError
-from lmppo.models import ValueModel, checkpointed_layers, checkpointing, eval_mode, unwrap_model
+from lmppo.models import ValueModel, checkpointed_layers, checkpointing, eval_mode, lora_merged, unwrap_model
 
 # --------------------------------------------------------------------------------------------------
 # The rollout batch
@@ -438,7 +438,8 @@ class HFGenerator:
     The loop is ours rather than ``model.generate``: the cache is a ``StaticCache`` sized for the prompt
     plus ``max_new_tokens`` (a ``DynamicCache`` concatenates every layer's keys and values at every
     step, a cost quadratic in the response length), there is no per-step machinery beyond the forward
-    and the draw, and ``logp_old`` comes from the logits the token is drawn from. The draw is
+    and the draw, and ``logp_old`` comes from the logits the token is drawn from. LoRA adapters are folded
+    into a temporary copy of their base weights for the loop (:func:`~lmppo.models.lora_merged`). The draw is
     transformers' own (tempered scores, top-k, top-p, ``torch.multinomial``), so a seed gives the same
     tokens as ``model.generate`` would.
 
@@ -550,7 +551,7 @@ class HFGenerator:
         """Sample one response per prompt; ``logp_old`` is recorded while sampling."""
         device = next(self.model.parameters()).device
         query_ids, query_mask = (t.to(device) for t in self._query_batch(prompts))
-        with torch.inference_mode(), eval_mode(self.model):
+        with torch.inference_mode(), eval_mode(self.model), lora_merged(self.model):
             response_ids, logp_old = self._sample(query_ids, query_mask)
         # clone outside inference mode: the PPO update feeds these to autograd, which rejects inference tensors
         response_ids, logp_old = response_ids.clone(), logp_old.clone()
