@@ -40,7 +40,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from tiny_world import SIZES, WorldSpec, build_world  # noqa: E402  (beside this file)
+from real_world import build_real_world  # noqa: E402  (beside this file)
+from tiny_world import SIZES, WorldSpec, build_world  # noqa: E402
 
 PHASES = (
     "generation",
@@ -54,28 +55,40 @@ PHASES = (
     "other",
 )
 MATCHED = {"temperature": 0.7, "kl_coef": 0.05, "vf_coef": 0.1, "lr": 3e-6, "seed": 42}
+LORA = {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"}
+LORA_PEFT = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}  # the same adapter, for TRL
+# The real model's row: SmolLM2-135M-Instruct, a LoRA policy (reference = adapter disabled), a separate
+# critic trained in full; responses stop at <|im_end|>. Its settings are fixed, not --epochs/--response-length.
+REAL = {"smollm2": {"response_length": 48, "epochs": 2, "minibatches": 2, "steps": 2, "repeats": 1}}
+TINY = {"steps": 4, "repeats": 2}  # the tiny rows' defaults; --steps / --repeats override both
 VARIANTS = {  # lmppo set-ups that change the models: their own rows, never in the matched comparison
     "lmppo-shared": {"models": {"value": {"mode": "shared"}}},  # value head on the policy's trunk
-    "lmppo-lora": {
-        "models": {
-            "policy_lora": {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"},
-            "value": {"lora": {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"}},
-        }
-    },
+    "lmppo-lora": {"models": {"policy_lora": LORA, "value": {"lora": LORA}}},
 }
+REAL_VARIANTS = {  # the real model's variant rows; lmppo-vllm runs in the vLLM environment (.venv-vllm)
+    "lmppo-shared": {"models": {"value": {"mode": "shared"}}},
+    "lmppo-vllm": {"rollout": {"engine": "vllm"}},
+}
+VLLM_PYTHON = HERE.parent / ".venv-vllm" / "bin" / "python"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, from {list(SIZES)}")
+    p.add_argument(
+        "--sizes", default=",".join([*REAL, *SIZES]), help=f"comma-separated, from {[*REAL, *SIZES]}"
+    )
     p.add_argument("--batch", type=int, default=16, help="prompts per PPO step")
     p.add_argument("--response-length", type=int, default=32, help="new tokens per response")
     p.add_argument("--epochs", type=int, default=4, help="PPO epochs per step (one minibatch each)")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per repetition")
+    p.add_argument("--steps", type=int, help="timed steps per repetition (default: 4 tiny, 2 real)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first in each repetition")
-    p.add_argument("--repeats", type=int, default=2, help="repetitions per implementation, alternating")
+    p.add_argument("--repeats", type=int, help="repetitions per implementation, alternating (2 tiny, 1 real)")
     p.add_argument("--impls", default="lmppo,trl", help="lmppo and/or trl (trl is skipped if not installed)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="extra lmppo rows; '' for none")
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS | REAL_VARIANTS),
+        help="extra lmppo rows where they apply; '' for none",
+    )
     p.add_argument("--sweep", action="store_true", help="instead: generation scaling at the first size")
     p.add_argument(
         "--quickstart",
@@ -94,28 +107,40 @@ def parse_args(argv=None) -> argparse.Namespace:
 # --------------------------------------------------------------------------------------------------
 
 
-def forward_flops(hidden: int, layers: int, vocab: int, seq_lengths: list[int], projected: int) -> float:
-    """Forward FLOPs of a Llama (MLP 4 x hidden) over sequences, ``projected`` positions onto the vocabulary."""
-    body = layers * (4 * hidden**2 + 3 * hidden * 4 * hidden)
-    causal_attention = 2 * layers * hidden * sum(t * t for t in seq_lengths)  # QK^T and AV, lower triangle
-    return 2.0 * body * sum(seq_lengths) + causal_attention + 2.0 * hidden * vocab * projected
+def model_shape(model_dir: Path):
+    """The decoder's widths (``lmppo.plan.Shape``) from a model directory's config.json."""
+    from transformers import AutoConfig
+
+    from lmppo.plan import Shape
+
+    return Shape.of(AutoConfig.from_pretrained(model_dir))
+
+
+def forward_flops(shape, seq_lengths: list[int], projected: int) -> float:
+    """Forward FLOPs of a decoder over sequences, ``projected`` positions onto its vocabulary."""
+    h, kv, i = shape.hidden, shape.kv_width, shape.intermediate
+    body = shape.layers * (2 * h * h + 2 * h * kv + 3 * h * i)  # q, o; k, v; gate, up, down
+    causal_attention = 2 * shape.layers * h * sum(t * t for t in seq_lengths)  # QK^T and AV, lower triangle
+    return 2.0 * body * sum(seq_lengths) + causal_attention + 2.0 * h * shape.vocab * projected
 
 
 def step_flops(
-    spec: WorldSpec, prompt_lengths: list[int], response_length: int, epochs: int, impl: str = "lmppo"
+    world: Path, prompt_lengths: list[int], response_lengths: list[int], epochs: int, setup: dict
 ) -> dict[str, float]:
     """FLOPs of a PPO step: generation, stored passes (reference, value, reward), training.
 
-    Training is forward + backward (2 x forward) per trained network and epoch: the policy and the
-    critic, or the policy alone with a shared trunk. LoRA's backward skips the frozen weights' gradients.
+    Training is forward + backward (2 x forward) per trained network and epoch, where the backward of a
+    LoRA network computes input gradients only (1 x forward): the policy and a separate critic, or the
+    policy alone with a shared trunk. Counted on real tokens: padding is waste, not work.
     """
-    seqs = [q + response_length for q in prompt_lengths]
-    responses = len(seqs) * response_length
-    policy = forward_flops(spec.hidden, spec.layers, spec.vocab, seqs, responses)
-    critic = forward_flops(spec.hidden, spec.layers, 0, seqs, 0)  # value and reward: same shape, scalar head
-    trained = policy if impl == "lmppo-shared" else policy + critic
-    per_epoch = (2 if impl == "lmppo-lora" else 3) * trained
-    return {"generation": policy, "stored": policy + 2 * critic, "train": epochs * per_epoch}
+    policy_shape, critic_shape = model_shape(world / "policy"), model_shape(world / "reward")
+    seqs = [q + r for q, r in zip(prompt_lengths, response_lengths)]
+    policy = forward_flops(policy_shape, seqs, sum(response_lengths))
+    critic = forward_flops(critic_shape, seqs, 0)  # value and reward: scalar heads
+    train = (2 if setup["policy_lora"] else 3) * policy
+    if not setup["shared_critic"]:
+        train += (2 if setup["critic_lora"] else 3) * critic
+    return {"generation": policy, "stored": policy + 2 * critic, "train": epochs * train}
 
 
 def matmul_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
@@ -169,7 +194,27 @@ def merged(base: dict, extra: dict) -> dict:
     return out
 
 
-def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[dict], list[int], int]:
+def setup_of(size: str, impl: str) -> dict:
+    """What the networks are for one row: which are LoRA, whether the critic is a head on the policy."""
+    real = size in REAL
+    return {
+        "real": real,
+        "policy_lora": real or impl == "lmppo-lora",
+        "critic_lora": impl == "lmppo-lora",
+        "shared_critic": impl == "lmppo-shared",
+        "minibatches": REAL[size]["minibatches"] if real else 1,
+    }
+
+
+def world_dir(args, size: str) -> Path:
+    models = Path(args.work_dir) / "models"
+    if size in REAL:
+        return build_real_world(models / size)
+    spec = WorldSpec(*SIZES[size])
+    return build_world(spec, models / spec.name)
+
+
+def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[dict], list, int]:
     import torch
 
     from lmppo import trainer as trainer_module
@@ -177,47 +222,49 @@ def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], lis
     from lmppo.config import load_config
     from lmppo.data import load_prompts
     from lmppo.distributed import seed_everything
+    from lmppo.models import keep_freed_heap_memory
 
-    cfg = load_config(
-        base=merged(
-            {
-                "models": {"policy": {"path": str(world / "policy")}, "value": {"init_from": "reward"}},
-                "reward": {"model": {"path": str(world / "reward")}},
-                "data": {"prompts": str(world / "prompts.jsonl")},
-                "rollout": {
-                    "batch_size": args.batch,
-                    "max_new_tokens": args.response_length,
-                    "temperature": MATCHED["temperature"],
-                },
-                "ppo": {
-                    "ppo_epochs": args.epochs,
-                    "minibatch_size": args.batch,
-                    "vf_coef": MATCHED["vf_coef"],
-                    "lr": MATCHED["lr"],
-                },
-                "kl": {"beta": MATCHED["kl_coef"], "estimator": "k1"},
-                "run": {"seed": MATCHED["seed"], "device": "cpu", "steps": args.warmup + args.steps},
-            },
-            VARIANTS.get(args.worker, {}),
-        )
-    )
+    setup = setup_of(args.size, args.worker)
+    base = {
+        "models": {"policy": {"path": str(world / "policy")}, "value": {"init_from": "reward"}},
+        "reward": {"model": {"path": str(world / "reward")}},
+        "data": {"prompts": str(world / "prompts.jsonl")},
+        "rollout": {
+            "batch_size": args.batch,
+            "max_new_tokens": args.response_length,
+            "temperature": MATCHED["temperature"],
+        },
+        "ppo": {
+            "ppo_epochs": args.epochs,
+            "minibatch_size": args.batch // setup["minibatches"],
+            "vf_coef": MATCHED["vf_coef"],
+            "lr": MATCHED["lr"],
+        },
+        "kl": {"beta": MATCHED["kl_coef"], "estimator": "k1"},
+        "run": {"seed": MATCHED["seed"], "device": "cpu", "steps": args.warmup + args.steps},
+    }
+    if setup["real"]:
+        base["models"]["policy_lora"] = LORA
+    variant = (REAL_VARIANTS if setup["real"] else VARIANTS).get(args.worker, {})
+    cfg = load_config(base=merged(base, variant))
+    keep_freed_heap_memory()  # as `lmppo ppo` does on CPU
     seed_everything(cfg.run.seed)
     models = load_models(cfg, torch.device("cpu"))
     trainer = trainer_module.PPOTrainer(cfg, models, load_prompts(cfg.data.prompts))
 
-    prompt_lengths: list[int] = []
+    lengths: list[tuple[int, int]] = []  # (prompt, response) tokens of every row generated
     generate = trainer.generator.generate
 
     def generate_and_count(prompts, policy_version):
         rollout = generate(prompts, policy_version)
-        prompt_lengths.extend(rollout.query_mask.sum(1).tolist())
+        lengths.extend(zip(rollout.query_mask.sum(1).tolist(), rollout.response_mask.sum(1).tolist()))
         return rollout
 
     trainer.generator.generate = clock.wrap("generation", generate_and_count)
     trainer_module.sequence_logprobs = clock.wrap("logprobs", trainer_module.sequence_logprobs)
     trainer_module.value_predictions = clock.wrap("values", trainer_module.value_predictions)
     # the variant rows (LoRA reference, shared trunk) go through these same functions
-    trainer.models.reward = clock.wrap("scoring", trainer.models.reward)
+    trainer.reward.raw_scores = clock.wrap("scoring", trainer.reward.raw_scores)
     trainer.micro_batch_loss = clock.wrap("update_forward", trainer.micro_batch_loss)
     torch.Tensor.backward = clock.wrap("backward", torch.Tensor.backward)
     trainer.optimizer.step = clock.wrap("optimizer", trainer.optimizer.step)
@@ -228,14 +275,15 @@ def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], lis
         trainer.step()
         step_seconds.append(time.perf_counter() - start)
         phases.append(clock.take())
-    return step_seconds, phases, prompt_lengths, sum(p.numel() for p in models.policy.parameters())
+    return step_seconds, phases, lengths, sum(p.numel() for p in models.policy.parameters())
 
 
-def trl_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[dict], list[int], int]:
+def trl_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[dict], list, int]:
     import gc
 
     import torch
     from datasets import Dataset
+    from peft import LoraConfig
     from transformers import (
         AutoModelForCausalLM,
         AutoModelForSequenceClassification,
@@ -245,9 +293,15 @@ def trl_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[
     from trl.experimental.ppo import PPOConfig, PPOTrainer
     from trl.experimental.ppo import ppo_trainer as ppo_module
 
-    tokenizer = AutoTokenizer.from_pretrained(world / "policy")
+    setup = setup_of(args.size, "trl")
+    tokenizer = AutoTokenizer.from_pretrained(world / "policy", padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(world / "policy", dtype=torch.float32)
-    reference = AutoModelForCausalLM.from_pretrained(world / "policy", dtype=torch.float32)
+    # with LoRA, TRL's reference is the policy with its adapter disabled (ref_model=None), as in lmppo
+    reference = (
+        None
+        if setup["policy_lora"]
+        else AutoModelForCausalLM.from_pretrained(world / "policy", dtype=torch.float32)
+    )
     reward = AutoModelForSequenceClassification.from_pretrained(
         world / "reward", num_labels=1, dtype=torch.float32
     )
@@ -256,12 +310,21 @@ def trl_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[
     )
     prompts = Dataset.from_dict({"input_ids": json.loads((world / "prompt_ids.json").read_text())})
 
-    prompt_lengths: list[int] = []
+    lengths: list[tuple[int, int]] = []  # (prompt, response) tokens of every row generated
     generate = ppo_module.batch_generation
 
     def generate_and_count(model, queries, *a, **k):
-        prompt_lengths.extend((queries != tokenizer.pad_token_id).sum(1).tolist())
-        return generate(model, queries, *a, **k)
+        query_responses, logits = generate(model, queries, *a, **k)
+        responses = query_responses[:, queries.shape[1] :]
+        if setup["real"]:  # up to and including the first <|im_end|> (TRL's own response mask drops it)
+            stops = responses == tokenizer.eos_token_id
+            ended = stops.any(1)
+            response_lengths = torch.where(ended, stops.int().argmax(1) + 1, responses.shape[1])
+        else:  # the tiny policy cannot stop: every response is full length
+            response_lengths = torch.full((len(responses),), responses.shape[1])
+        prompt_lengths = (queries != tokenizer.pad_token_id).sum(1)
+        lengths.extend(zip(prompt_lengths.tolist(), response_lengths.tolist()))
+        return query_responses, logits
 
     ppo_module.batch_generation = clock.wrap("generation", generate_and_count)
     ppo_module.forward = clock.wrap(
@@ -296,14 +359,15 @@ def trl_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[
         use_cpu=True,
         bf16=False,
         fp16=False,
+        # local batch = per-device x accumulation = 16; one optimizer step per minibatch, as in lmppo
         per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=1,
-        num_mini_batches=1,
+        num_mini_batches=setup["minibatches"],
         num_ppo_epochs=args.epochs,
         total_episodes=args.batch * steps,
         local_rollout_forward_batch_size=args.batch,
         response_length=args.response_length,
-        stop_token=None,
+        stop_token="eos" if setup["real"] else None,
         temperature=MATCHED["temperature"],
         kl_coef=MATCHED["kl_coef"],
         vf_coef=MATCHED["vf_coef"],
@@ -322,6 +386,7 @@ def trl_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[
         ref_model=reference,
         reward_model=reward,
         value_model=value,
+        peft_config=LoraConfig(**LORA_PEFT, task_type="CAUSAL_LM") if setup["policy_lora"] else None,
         train_dataset=prompts,
         eval_dataset=prompts.select(range(8)),
         callbacks=[StepClock()],
@@ -329,7 +394,7 @@ def trl_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[
     trainer.accelerator.backward = clock.wrap("backward", trainer.accelerator.backward)
     trainer.optimizer.step = clock.wrap("optimizer", trainer.optimizer.step)
     trainer.train()
-    return step_seconds, phases, prompt_lengths, sum(p.numel() for p in policy.parameters())
+    return step_seconds, phases, lengths, sum(p.numel() for p in policy.parameters())
 
 
 def run_worker(args) -> None:
@@ -338,18 +403,18 @@ def run_worker(args) -> None:
     import torch
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    spec = WorldSpec(*SIZES[args.size])
-    world = build_world(spec, Path(args.work_dir) / "models" / spec.name)
+    world = world_dir(args, args.size)
     peak = matmul_peak_gflops()
     load_before = os.getloadavg()[0]
     worker = trl_worker if args.worker == "trl" else lmppo_worker
-    step_seconds, phases, prompt_lengths, params = worker(args, world, PhaseClock())
+    step_seconds, phases, lengths, params = worker(args, world, PhaseClock())
     peak = max(peak, matmul_peak_gflops())  # best of before and after: other processes only lower it
     timed = slice(args.warmup, None)
     per_step = {p: statistics.fmean(s.get(p, 0.0) for s in phases[timed]) for p in PHASES if p != "other"}
     per_step["other"] = statistics.fmean(step_seconds[timed]) - sum(per_step.values())
-    timed_prompts = prompt_lengths[args.warmup * args.batch :]
-    flops = step_flops(spec, timed_prompts, args.response_length, args.epochs, args.worker)
+    prompt_lengths, response_lengths = zip(*lengths[args.warmup * args.batch :])  # the timed steps' rows
+    setup = setup_of(args.size, args.worker)
+    flops = step_flops(world, list(prompt_lengths), list(response_lengths), args.epochs, setup)
     flops = {k: v / args.steps for k, v in flops.items()}
     print(
         json.dumps(
@@ -361,6 +426,7 @@ def run_worker(args) -> None:
                 "first_step_seconds": step_seconds[0],
                 "phase_seconds": per_step,
                 "flops": flops,
+                "generated_tokens_per_step": sum(response_lengths) / args.steps,
                 "matmul_peak_gflops": peak,
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "load": [load_before, os.getloadavg()[0]],
@@ -376,9 +442,20 @@ def run_worker(args) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+def size_settings(args, size: str) -> dict:
+    """Response length, epochs, timed steps and repetitions of one size: the real model's are its own."""
+    fixed = REAL.get(size, {"response_length": args.response_length, "epochs": args.epochs, **TINY})
+    return {
+        **fixed,
+        "steps": args.steps or fixed["steps"],
+        "repeats": args.repeats or fixed["repeats"],
+    }
+
+
 def spawn(args, impl: str, size: str, batch: int, length: int) -> dict:
+    settings = size_settings(args, size)
     command = [
-        sys.executable,
+        str(VLLM_PYTHON) if impl == "lmppo-vllm" else sys.executable,
         __file__,
         "--worker",
         impl,
@@ -389,9 +466,9 @@ def spawn(args, impl: str, size: str, batch: int, length: int) -> dict:
         "--response-length",
         str(length),
         "--epochs",
-        str(args.epochs),
+        str(settings["epochs"]),
         "--steps",
-        str(args.steps),
+        str(settings["steps"]),
         "--warmup",
         str(args.warmup),
         "--work-dir",
@@ -404,6 +481,7 @@ def spawn(args, impl: str, size: str, batch: int, length: int) -> dict:
         "TRL_EXPERIMENTAL_SILENCE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_WAIT_POLICY": "PASSIVE",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the vLLM variant: the engine in the worker's process
         **os.environ,
     }
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=HERE.parent, check=False)
@@ -412,9 +490,11 @@ def spawn(args, impl: str, size: str, batch: int, length: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def summarise(runs: list[dict], batch: int, length: int) -> dict:
-    """One implementation at one size: medians over every timed step of every repetition."""
+def summarise(runs: list[dict], batch: int) -> dict:
+    """One implementation at one size: medians over every timed step of every repetition, and the same
+    per prompt and per generated token (response tokens up to and including the stop token)."""
     steps = [s for r in runs for s in r["step_seconds"]]
+    generated = statistics.fmean(r["generated_tokens_per_step"] for r in runs)
     phases = {p: statistics.fmean(r["phase_seconds"][p] for r in runs) for p in PHASES}
     update_s = phases["update_forward"] + phases["backward"] + phases["optimizer"]
     flops = runs[0]["flops"]
@@ -424,8 +504,11 @@ def summarise(runs: list[dict], batch: int, length: int) -> dict:
     return {
         "seconds_per_step": round(step_s, 4),
         "seconds_per_step_min_max": [round(min(steps), 4), round(max(steps), 4)],
-        "tokens_per_second": round(batch * length / step_s, 1),
-        "generation_tokens_per_second": round(batch * length / phases["generation"], 1),
+        "seconds_per_prompt": round(step_s / batch, 4),
+        "generated_tokens_per_step": round(generated, 1),
+        "ms_per_generated_token": round(1000 * step_s / generated, 2),
+        "tokens_per_second": round(generated / step_s, 1),
+        "generation_tokens_per_second": round(generated / phases["generation"], 1),
         "phase_seconds": {p: round(v, 4) for p, v in phases.items()},
         "peak_rss_mb": round(max(r["peak_rss_mb"] for r in runs), 1),
         "train_gflops": round(train_gflops, 1),
@@ -442,7 +525,7 @@ def summarise(runs: list[dict], batch: int, length: int) -> dict:
 
 def compare(args, impls: list[str], size: str, batch: int, length: int) -> dict:
     runs: dict[str, list[dict]] = {impl: [] for impl in impls}
-    for repeat in range(args.repeats):
+    for repeat in range(size_settings(args, size)["repeats"]):
         order = impls if repeat % 2 == 0 else impls[::-1]  # alternate who goes first
         for impl in order:
             runs[impl].append(spawn(args, impl, size, batch, length))
@@ -452,9 +535,13 @@ def compare(args, impls: list[str], size: str, batch: int, length: int) -> dict:
                 file=sys.stderr,
                 flush=True,
             )
-    result = {impl: summarise(r, batch, length) for impl, r in runs.items()}
+    result = {impl: summarise(r, batch) for impl, r in runs.items()}
     if "trl" in result and "lmppo" in result:
-        result["speedup"] = round(result["trl"]["seconds_per_step"] / result["lmppo"]["seconds_per_step"], 2)
+        trl, ours = result["trl"], result["lmppo"]
+        result["speedup"] = round(
+            trl["seconds_per_step"] / ours["seconds_per_step"], 2
+        )  # per prompt: 16 each
+        result["speedup_per_token"] = round(trl["ms_per_generated_token"] / ours["ms_per_generated_token"], 2)
         result["generation_speedup"] = round(
             result["lmppo"]["generation_tokens_per_second"] / result["trl"]["generation_tokens_per_second"], 2
         )
@@ -462,10 +549,12 @@ def compare(args, impls: list[str], size: str, batch: int, length: int) -> dict:
 
 
 def print_table(results: dict[str, dict]) -> None:
-    """One row per size and implementation; variants (changed model set-ups) have no ratio to TRL."""
+    """One row per size and implementation; variants (changed model set-ups) have no ratio to TRL.
+    ``x TRL`` is per prompt (both run 16 a step), ``x/tok`` per generated token (lengths differ when
+    responses stop at EOS)."""
     head = (
-        f"{'size':<8} {'impl':<12} {'s/step':>7} {'x TRL':>6} {'floor s':>7} {'/floor':>6} {'1st step':>8} "
-        f"{'tok/s':>6} {'gen tok/s':>9} {'train GF/s':>10} {'%peak':>5} {'RSS MB':>7} | "
+        f"{'size':<8} {'impl':<12} {'s/step':>7} {'x TRL':>6} {'x/tok':>6} {'ms/tok':>7} {'floor s':>7} "
+        f"{'/floor':>6} {'1st step':>8} {'gen tok/s':>9} {'train GF/s':>10} {'%peak':>5} {'RSS MB':>7} | "
         + " ".join(f"{p[:7]:>7}" for p in PHASES)
     )
     print(head)
@@ -474,12 +563,14 @@ def print_table(results: dict[str, dict]) -> None:
         for impl, r in result.items():
             if not isinstance(r, dict):
                 continue
-            speedup = f"{result['speedup']:.2f}" if impl == "lmppo" and "speedup" in result else ""
+            ours = impl == "lmppo" and "speedup" in result
+            speedup = f"{result['speedup']:.2f}" if ours else ""
+            per_token = f"{result['speedup_per_token']:.2f}" if ours else ""
             print(
-                f"{size:<8} {impl:<12} {r['seconds_per_step']:>7.3f} {speedup:>6} {r['flop_floor_s']:>7.2f} "
-                f"{r['step_over_floor']:>6.2f} {r['first_step_seconds']:>8.2f} {r['tokens_per_second']:>6.0f} "
-                f"{r['generation_tokens_per_second']:>9.0f} {r['train_gflops']:>10.1f} "
-                f"{100 * r['train_peak_fraction']:>5.0f} {r['peak_rss_mb']:>7.0f} | "
+                f"{size:<8} {impl:<12} {r['seconds_per_step']:>7.3f} {speedup:>6} {per_token:>6} "
+                f"{r['ms_per_generated_token']:>7.1f} {r['flop_floor_s']:>7.2f} {r['step_over_floor']:>6.2f} "
+                f"{r['first_step_seconds']:>8.2f} {r['generation_tokens_per_second']:>9.0f} "
+                f"{r['train_gflops']:>10.1f} {100 * r['train_peak_fraction']:>5.0f} {r['peak_rss_mb']:>7.0f} | "
                 + " ".join(f"{r['phase_seconds'][p]:>7.3f}" for p in PHASES)
             )
 
@@ -544,25 +635,34 @@ def time_quickstart(args) -> dict:
     }
 
 
+def applying(variants: list[str], size: str) -> list[str]:
+    """The variant rows that exist for ``size``: the real model's, or the tiny worlds'."""
+    return [v for v in variants if v in (REAL_VARIANTS if size in REAL else VARIANTS)]
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         return run_worker(args)
     impls = [i for i in args.impls.split(",") if i == "lmppo" or importlib.util.find_spec("trl") is not None]
     variants = [v for v in args.variants.split(",") if v]
-    for size in args.sizes.split(","):  # build before timing anything
-        build_world(WorldSpec(*SIZES[size]), Path(args.work_dir) / "models" / WorldSpec(*SIZES[size]).name)
+    if "lmppo-vllm" in variants and not VLLM_PYTHON.exists():
+        print(
+            f"lmppo-vllm skipped: no vLLM environment at {VLLM_PYTHON} (make test-vllm builds it)",
+            file=sys.stderr,
+        )
+        variants.remove("lmppo-vllm")
+    sizes = args.sizes.split(",")
+    for size in sizes:  # build before timing anything
+        world_dir(args, size)
     started = time.time()
     report = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
         "settings": {
             "batch": args.batch,
-            "response_length": args.response_length,
-            "epochs": args.epochs,
-            "steps": args.steps,
             "warmup": args.warmup,
-            "repeats": args.repeats,
+            "sizes": {size: size_settings(args, size) for size in sizes},
             **MATCHED,
         },
         "impls": impls,
@@ -572,8 +672,14 @@ def main(argv=None) -> None:
         report["sweep"] = sweep(args, impls)  # the matched set-up only
     else:
         report["results"] = {
-            size: compare(args, impls + variants, size, args.batch, args.response_length)
-            for size in args.sizes.split(",")
+            size: compare(
+                args,
+                impls + applying(variants, size),
+                size,
+                args.batch,
+                size_settings(args, size)["response_length"],
+            )
+            for size in sizes
         }
         print_table(report["results"])
     if args.quickstart and not args.sweep:

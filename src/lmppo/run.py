@@ -52,7 +52,7 @@ from lmppo.errors import GuardAbort, Interrupted, LmppoError, UserCodeError
 from lmppo.evaluate import run_evaluator
 from lmppo.guards import Guards, held_out_score
 from lmppo.metrics import METRICS_FILE, MetricsLogger, ProgressDisplay, read_metrics, reduce_metrics
-from lmppo.models import resolve_device, resolve_precision
+from lmppo.models import keep_freed_heap_memory, resolve_device, resolve_precision
 from lmppo.plan import check_plan
 from lmppo.preflight import Preflight, run_preflight, summary_line, write_preflight_json
 from lmppo.sft import sft_batch
@@ -146,6 +146,8 @@ def _train(
 ) -> Path:
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
+    if device.type == "cpu":
+        keep_freed_heap_memory()  # no page faults on every step's large tensors
     run_dir = Path(cfg.run.output_dir)
     check_strategy(cfg.distributed.strategy, dist_info.world_size)
     checkpoint = _checkpoint_to_resume(run_dir, resume, dist_info)
