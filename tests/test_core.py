@@ -148,6 +148,48 @@ def test_token_logprobs_and_entropy_match_log_softmax():
     assert torch.allclose(core.masked_entropy(logits, mask), expected, atol=1e-5)
 
 
+def composed_logprobs_and_entropy(logits, labels):
+    """The reference: autograd through log_softmax, gather and softmax, all (B, L, V) at once."""
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(-1, labels[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("chunk_elements", [2**22, 7 * 11])  # one chunk; 7 rows a chunk (a ragged last one)
+def test_chunked_logprobs_and_entropy_and_their_gradients_match_autograd(monkeypatch, chunk_elements):
+    monkeypatch.setattr(core, "VOCAB_CHUNK_ELEMENTS", chunk_elements)
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(3, 6, 11, generator=gen) * 4).requires_grad_()
+    labels = torch.randint(0, 11, (3, 6), generator=gen)
+    weights = torch.randn(2, 3, 6, generator=gen)
+    expected = composed_logprobs_and_entropy(logits, labels)
+    got = core.token_logprobs_and_entropy(logits, labels)
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=0)
+    for terms in ([0], [1], [0, 1]):  # the log-prob loss, the entropy bonus, both
+        grads = [
+            torch.autograd.grad(sum((w * out[i]).sum() for i, w in zip(terms, weights[terms])), logits)[0]
+            for out in (
+                composed_logprobs_and_entropy(logits, labels),
+                core.token_logprobs_and_entropy(logits, labels),
+            )
+        ]
+        torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=0)
+
+
+def test_token_logprobs_gradient_is_autograds_bit_for_bit():
+    """The update's log-prob gradient is the one autograd's gather - logsumexp gives: runs keep their bits."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(4, 9, 50, generator=gen) * 3).requires_grad_()
+    labels = torch.randint(0, 50, (4, 9), generator=gen)
+    weights = torch.randn(4, 9, generator=gen)
+    composed = logits.gather(-1, labels[..., None])[..., 0] - torch.logsumexp(logits, -1)
+    chunked = core.token_logprobs(logits, labels)
+    assert torch.equal(chunked, composed)
+    (expected,) = torch.autograd.grad((weights * composed).sum(), logits)
+    (got,) = torch.autograd.grad((weights * chunked).sum(), logits)
+    assert torch.equal(got, expected)
+
+
 def test_kl_estimators_k3_nonnegative_and_k1_k3_share_expectation():
     gen = torch.Generator().manual_seed(4)
     logp, logp_ref = torch.randn(64, 32, generator=gen), torch.randn(64, 32, generator=gen)

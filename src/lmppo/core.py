@@ -92,25 +92,83 @@ def masked_whiten(
 # --------------------------------------------------------------------------------------------------
 
 
+VOCAB_CHUNK_ELEMENTS = 2**22  # rows of logits handled at once: 16 MiB of float32 temporaries per chunk
+
+
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """``log softmax(logits)[labels]`` per position. ``logits`` (B, L, V), ``labels`` (B, L) -> (B, L).
 
-    Gathers the label logit and subtracts ``logsumexp`` instead of building a (B, L, V) log-softmax.
-    Computed in float32 (bf16 log-probs are too coarse for importance ratios).
+    The label logit minus ``logsumexp``, in float32 (bf16 log-probs are too coarse for importance
+    ratios), a chunk of rows at a time: see :func:`token_logprobs_and_entropy`.
     """
-    logits = logits.float()
-    label_logits = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (B, L)
-    return label_logits - torch.logsumexp(logits, dim=-1)  # (B, L)
+    return _VocabTerms.apply(logits, labels, False)[0]
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``labels`` and the entropy of ``softmax(logits)`` per position. -> (B, L), (B, L).
+
+    ``H = logsumexp(z) - sum_v p_v z_v``. Both come from one sweep over the vocabulary, a chunk of
+    positions at a time, and so does the backward (``d logp / dz = onehot - p``,
+    ``dH / dz = -p (z - E_p[z])``, recomputed from the logits): with a 49k vocabulary the update holds
+    the logits and their gradient, never the several (B, L, V) intermediates of autograd's
+    ``logsumexp``, ``softmax`` and ``gather``. The results equal those composed ops to float rounding.
+    """
+    return _VocabTerms.apply(logits, labels, True)
+
+
+class _VocabTerms(torch.autograd.Function):
+    """``token_logprobs_and_entropy``'s forward and backward, row chunk by row chunk."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, labels)
+        flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1, 1)
+        logp = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        entropy = torch.empty_like(logp) if with_entropy else None
+        for rows in _row_chunks(flat):
+            z = flat[rows].float()
+            lse = torch.logsumexp(z, dim=-1)
+            logp[rows] = z.gather(-1, flat_labels[rows]).squeeze(-1) - lse
+            if with_entropy:
+                entropy[rows] = lse - torch.einsum("nv,nv->n", torch.softmax(z, dim=-1), z)
+        shape = labels.shape
+        return logp.view(shape), entropy.view(shape) if with_entropy else torch.zeros(
+            shape, device=logits.device
+        )
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        logits, labels = ctx.saved_tensors
+        flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1, 1)
+        grad = torch.empty_like(flat)
+        g_logp = None if grad_logp is None else grad_logp.reshape(-1, 1).float()
+        g_entropy = None if grad_entropy is None else grad_entropy.reshape(-1, 1).float()
+        for rows in _row_chunks(flat):
+            z = flat[rows].float()
+            p = (z - torch.logsumexp(z, dim=-1, keepdim=True)).exp()  # as logsumexp's own backward
+            g = torch.zeros_like(z)
+            if g_logp is not None:  # onehot(label) * g - p * g
+                g = -p * g_logp[rows]
+                g.scatter_add_(-1, flat_labels[rows], g_logp[rows])
+            if g_entropy is not None:
+                expected = torch.einsum("nv,nv->n", p, z).unsqueeze(-1)
+                g = g - g_entropy[rows] * p * (z - expected)
+            grad[rows] = g.to(grad.dtype)
+        return grad.view(logits.shape), None, None
+
+
+def _row_chunks(flat: torch.Tensor) -> list[slice]:
+    step = max(1, VOCAB_CHUNK_ELEMENTS // max(flat.shape[-1], 1))
+    return [slice(i, min(i + step, flat.shape[0])) for i in range(0, flat.shape[0], step)]
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of ``softmax(logits)`` per position. (B, L, V) -> (B, L).
-
-    ``H = logsumexp(z) - sum_v p_v z_v``: one extra (B, L, V) tensor (the probabilities) at a time.
-    """
-    logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)  # (B, L, V)
-    return torch.logsumexp(logits, dim=-1) - torch.einsum("blv,blv->bl", probs, logits)
+    """Entropy of ``softmax(logits)`` per position. (B, L, V) -> (B, L); see :func:`token_logprobs_and_entropy`."""
+    labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    return token_logprobs_and_entropy(logits, labels)[1]
 
 
 def masked_entropy(logits: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

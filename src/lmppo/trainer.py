@@ -539,7 +539,7 @@ class PPOTrainer:
         mask, extras = micro.response_mask, micro.extras
         with self.autocast():  # the forward only: backward runs each op in its forward's dtype
             logits, values = self.train_module(micro)
-        logp_new = core.token_logprobs(logits, micro.response_ids)
+        logp_new, token_entropy = core.token_logprobs_and_entropy(logits, micro.response_ids)
         policy_loss, clip_frac = core.ppo_clip_loss(
             logp_new,
             micro.logp_old,
@@ -551,11 +551,7 @@ class PPOTrainer:
         v_loss, v_clip_frac = core.value_loss(
             values, extras["values"], extras["returns"], mask, ppo.value_clip_eps
         )
-        if ppo.ent_coef > 0:
-            entropy = core.masked_entropy(logits, mask)
-        else:  # only a metric: no graph through a (B, R, V) entropy
-            with torch.no_grad():
-                entropy = core.masked_entropy(logits, mask)
+        entropy = core.masked_mean(token_entropy, mask)  # a metric, and a loss term if ent_coef > 0
         loss = policy_loss + ppo.vf_coef * v_loss - ppo.ent_coef * entropy
         if self.step_count < ppo.critic_warmup_steps:  # the value loss alone (x 0 keeps DDP's graph whole)
             loss = 0.0 * policy_loss + ppo.vf_coef * v_loss
