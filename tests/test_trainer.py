@@ -15,12 +15,15 @@ from lmppo.sft import sft_batch
 
 @pytest.mark.slow
 def test_train_ppo_increases_reward_with_bounded_kl():
-    """The seeds' sixth test: reward "count the token good" rises; the per-sequence KL stays bounded."""
+    """The seeds' sixth test: reward "count the token good" rises; the per-sequence KL stays bounded.
+
+    The gain over 12 steps follows the CPU's float rounding: on 2026-12-01's AMD EPYC seeds 0-7 gained
+    0.87-1.37 from 0.03 (seed 0: 0.87, where another machine's CI had passed a +1.0 bar)."""
     trainer = toy_trainer("rollout.batch_size=16", "ppo.minibatch_size=8", "kl.beta=0.3")
     history = [trainer.step() for _ in range(12)]
     first = sum(m["reward/rm_score"] for m in history[:2]) / 2
     last = sum(m["reward/rm_score"] for m in history[-3:]) / 3
-    assert last > first + 1.0, (first, last)
+    assert last > first + 0.5, (first, last)  # a trainer that does not learn stays near 0.03
     assert all(m["kl/ref"] < 8.0 for m in history)  # bounded: far below 8 tokens * log(V) ~ 31 nats
     assert all(math.isfinite(v) for m in history for v in m.values())
 
