@@ -342,6 +342,30 @@ def test_values_are_read_before_each_token_and_bootstrap_after_the_last(
             torch.testing.assert_close(bootstrap[b], expected_bootstrap, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("boost", [1.5, 8.0])  # some rows truncated (one more forward) / every row stops
+def test_a_shared_trunk_reads_its_values_off_the_decode_loop(policy_tokenizer, policy_model, boosted, boost):
+    """The same values and bootstrap as the values pass, the same tokens and log-probs as without them."""
+    model = boosted(policy_model, policy_tokenizer.eos_token_id, boost)
+    value_model = ValueModel.shared_trunk(model)
+    torch.nn.init.normal_(value_model.head.weight)
+    plain = generate(model, policy_tokenizer, prompts=PROMPTS * 2, max_new_tokens=8, seed=2)
+    rollout = generate(
+        model, policy_tokenizer, prompts=PROMPTS * 2, max_new_tokens=8, seed=2, value_model=value_model
+    )
+    assert rollout.terminated.all() == (boost == 8.0) and rollout.terminated.any()
+    assert torch.equal(rollout.response_ids, plain.response_ids) and torch.equal(
+        rollout.logp_old, plain.logp_old
+    )
+    assert "values" not in plain.extras
+    values, bootstrap = value_predictions(value_model, rollout)
+    mask = rollout.response_mask.bool()
+    torch.testing.assert_close(rollout.extras["values"][mask], values[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(rollout.extras["bootstrap_value"], bootstrap, atol=1e-5, rtol=0)
+    assert (rollout.extras["bootstrap_value"] != 0).any() == (boost == 1.5)
+    with pytest.raises(ValueError, match="own trunk"):
+        HFGenerator(model, policy_tokenizer, max_new_tokens=4, value_model=ValueModel.from_causal_lm(model))
+
+
 def test_sequence_logprobs_micro_batching_and_temperature(policy_tokenizer, policy_model, make_causal_lm):
     rollout = generate(policy_model, policy_tokenizer, temperature=0.7)
     reference = make_causal_lm(policy_tokenizer, seed=5)

@@ -305,3 +305,26 @@ def test_a_hackable_component_rises_apart_from_one_the_policy_cannot_move():
     for m in history:
         assert m["reward/rm_score_used"] == pytest.approx(m["reward/good/used"] + m["reward/prompt/used"])
         assert m["reward/prompt/used"] == pytest.approx(0.5 * m["reward/prompt/raw"])
+
+
+def test_a_shared_trunk_critic_takes_its_stored_values_from_the_decode_loop():
+    """No values pass (``perf/values_s`` 0), and the step's numbers are those of the values pass."""
+    from lmppo.build import generator_options
+    from lmppo.models import ValueModel
+    from lmppo.rollout import HFGenerator
+
+    def shared_models():
+        models = toy_models()
+        models.value = ValueModel.shared_trunk(models.policy)
+        torch.nn.init.normal_(models.value.head.weight, std=0.1)  # values that are not all 0
+        return models
+
+    reads = toy_trainer(models=shared_models())
+    read_metrics = reads.step()  # each trainer seeds the global generator: build and step one at a time
+    models = shared_models()
+    plain = HFGenerator(models.policy, models.tokenizer, **generator_options(reads.cfg))  # no value model
+    pass_metrics = toy_trainer(models=models, generator=plain).step()
+    assert read_metrics["perf/values_s"] == 0.0 < pass_metrics["perf/values_s"]
+    for name, value in pass_metrics.items():
+        if not name.startswith("perf/") and name != "lag/rollout_age_s":  # wall-clock times
+            assert math.isclose(read_metrics[name], value, rel_tol=1e-4, abs_tol=1e-5), name

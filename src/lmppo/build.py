@@ -251,4 +251,8 @@ def build_generator(cfg: Config, models: PPOModels) -> Generator:
             kv_cache_gb=cfg.rollout.vllm_kv_cache_gb,
             **generator_options(cfg),
         )
-    return HFGenerator(models.policy, models.tokenizer, **generator_options(cfg))
+    # A head on the policy's trunk reads its values off the decode loop's hidden states (no values pass);
+    # under FSDP2 the head is sharded with the trunk, so the trainer's gathered values pass stays.
+    reads_values = getattr(models.value, "shared_trunk", False) and cfg.distributed.strategy != "fsdp2"
+    value_model = models.value if reads_values else None
+    return HFGenerator(models.policy, models.tokenizer, value_model=value_model, **generator_options(cfg))

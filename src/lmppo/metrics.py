@@ -71,7 +71,7 @@ METRIC_NAMES: dict[str, str] = {
     "engine/logp_gap": "mean |logp_old - trainer log-prob| per response token before the step's first update",
     "perf/reward_s": "of perf/score_s: seconds in the reward (model or function) and its preprocessing",
     "perf/reference_s": "of perf/score_s: seconds in the reference model's forward passes",
-    "perf/values_s": "of perf/score_s: seconds in the value model's forward passes",
+    "perf/values_s": "of perf/score_s: seconds in the value model's forward passes (0 when a shared-trunk critic's values come from the decode loop)",
     "perf/update_s": "seconds spent in the PPO epochs",
     "perf/rollout_tokens_per_s": "generated response tokens per second, all ranks",
     "perf/train_tokens_per_s": "response tokens processed per second of PPO update, all ranks",

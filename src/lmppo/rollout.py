@@ -445,6 +445,11 @@ class HFGenerator:
 
     A rendered prompt longer than ``max_prompt_length`` (default: the context window minus
     ``max_new_tokens``) is an error naming the row, unless ``truncate_prompts`` keeps its last tokens.
+
+    With ``value_model`` (a head on this policy's own trunk, :meth:`ValueModel.shared_trunk`) the loop also
+    reads the values off the last hidden states it computes anyway: ``extras["values"]`` and
+    ``extras["bootstrap_value"]`` as :func:`value_predictions` defines them (one more decode step when a
+    row is truncated), so the trainer skips its values pass.
     """
 
     def __init__(
@@ -461,7 +466,10 @@ class HFGenerator:
         raw_prompts: bool = False,
         max_prompt_length: int | None = None,
         truncate_prompts: bool = False,
+        value_model: ValueModel | None = None,
     ) -> None:
+        if value_model is not None and not value_model.shared_trunk:
+            raise ValueError("HFGenerator reads values only from a head on the policy's own trunk")
         if temperature <= 0:
             raise LmppoError(f"temperature must be > 0 for PPO sampling, got {temperature}.")
         if max_new_tokens < 1 or top_k < 0 or not 0 < top_p <= 1:
@@ -478,7 +486,7 @@ class HFGenerator:
             stops.add(tokenizer.eos_token_id)
         if not stops:
             raise LmppoError("the tokenizer has no EOS token; give `stop_token_ids` so responses can end.")
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer, self.value_model = model, tokenizer, value_model
         self.max_new_tokens = max_new_tokens
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.stop_token_ids = sorted(stops)
@@ -552,10 +560,17 @@ class HFGenerator:
         device = next(self.model.parameters()).device
         query_ids, query_mask = (t.to(device) for t in self._query_batch(prompts))
         with torch.inference_mode(), eval_mode(self.model), lora_merged(self.model):
-            response_ids, logp_old = self._sample(query_ids, query_mask)
+            response_ids, logp_old, values = self._sample(query_ids, query_mask)
         # clone outside inference mode: the PPO update feeds these to autograd, which rejects inference tensors
         response_ids, logp_old = response_ids.clone(), logp_old.clone()
         response_mask, terminated = response_mask_from_ids(response_ids, self.stop_token_ids)
+        extras = {}
+        if values is not None:  # (B, R' + 1): V before each response token, then after the last column
+            after_last = values.gather(1, (last_response_index(response_mask) + 1).unsqueeze(1)).squeeze(1)
+            extras = {
+                "values": values[:, :-1].clone(),
+                "bootstrap_value": torch.where(terminated, 0.0, after_last),
+            }
         return Rollout(
             query_ids=query_ids,
             query_mask=query_mask,
@@ -568,14 +583,19 @@ class HFGenerator:
             prompts=list(prompts),
             response_texts=self._decode(response_ids, response_mask, terminated),
             temperature=self.temperature,
+            extras=extras,
         )
 
-    def _sample(self, query_ids: torch.Tensor, query_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(
+        self, query_ids: torch.Tensor, query_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Ancestral sampling: a prefill over the queries, then one single-token forward per step.
 
         Returns ``response_ids`` (B, R') and their log-probs (B, R') at the sampling temperature, with
         R' <= max_new_tokens (the loop ends once every row has emitted a stop token; a finished row is
-        filled with the pad id). Positions count real tokens only, as in :func:`sequence_inputs`.
+        filled with the pad id), and with a value model the values (B, R' + 1) of the state before each
+        token and after the last one (a truncated row needs one more forward for it; otherwise that last
+        column is never read). Positions count real tokens only, as in :func:`sequence_inputs`.
         """
         batch, width = query_ids.shape
         device = query_ids.device
@@ -587,15 +607,24 @@ class HFGenerator:
         attention_mask = torch.zeros(batch, width + self.max_new_tokens, dtype=torch.long, device=device)
         attention_mask[:, :width] = query_mask
         positions = (query_mask.cumsum(dim=1) - 1).clamp(min=0)
-        logits = self.model(
-            input_ids=query_ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            **cache,
-            cache_position=torch.arange(width, device=device),
-            logits_to_keep=1,
-            use_cache=True,
-        ).logits[:, -1]
+        values = []  # with a value model: V of the state each forward ends in, one (B,) per forward
+
+        def forward(input_ids, position_ids, cache_position) -> torch.Tensor:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                **cache,
+                cache_position=cache_position,
+                logits_to_keep=1,
+                use_cache=True,
+                output_hidden_states=self.value_model is not None,
+            )
+            if self.value_model is not None:
+                values.append(self.value_model.values(out.hidden_states[-1][:, -1:]).squeeze(1))
+            return out.logits[:, -1]
+
+        logits = forward(query_ids, positions, torch.arange(width, device=device))
         stops = torch.tensor(self.stop_token_ids, device=device)
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         position = positions[:, -1:]
@@ -606,20 +635,19 @@ class HFGenerator:
             tokens.append(token)
             logps.append(logp)
             finished |= torch.isin(token, stops)
-            if step + 1 == self.max_new_tokens or finished.all():
+            last = step + 1 == self.max_new_tokens or finished.all()
+            if last and (self.value_model is None or finished.all()):
                 break
             cursor = width + step
             attention_mask[:, cursor] = 1
             position = position + 1
-            logits = self.model(
-                input_ids=token[:, None],
-                attention_mask=attention_mask,
-                position_ids=position,
-                **cache,
-                cache_position=torch.tensor([cursor], device=device),
-                use_cache=True,
-            ).logits[:, -1]
-        return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)
+            logits = forward(token[:, None], position, torch.tensor([cursor], device=device))
+            if last:  # that forward was only for the truncated rows' V(s_after)
+                break
+        if self.value_model is None:
+            return torch.stack(tokens, dim=1), torch.stack(logps, dim=1), None
+        values += [torch.zeros_like(values[0])] * (len(tokens) + 1 - len(values))  # finished: never read
+        return torch.stack(tokens, dim=1), torch.stack(logps, dim=1), torch.stack(values, dim=1)
 
     def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row from ``softmax(logits / T)`` (top-k / top-p applied) and its untruncated log-prob."""

@@ -336,8 +336,13 @@ class PPOTrainer:
         )
         with timed(seconds, "perf/reference_s"), self.autocast(), gathered(self.reference):
             logp_ref = sequence_logprobs(self.reference, rollout, **stored_pass)
-        with timed(seconds, "perf/values_s"), self.autocast(), gathered(*self._value_modules()):
-            values, bootstrap_value = value_predictions(self.value_model, rollout, **stored_pass)
+        if "values" in rollout.extras and rollout.policy_version == self.policy_version:
+            # the decode loop read them off the current policy's hidden states (a shared-trunk critic)
+            values, bootstrap_value = rollout.extras["values"], rollout.extras["bootstrap_value"]
+            seconds["perf/values_s"] = 0.0
+        else:
+            with timed(seconds, "perf/values_s"), self.autocast(), gathered(*self._value_modules()):
+                values, bootstrap_value = value_predictions(self.value_model, rollout, **stored_pass)
         tis_stats = self._truncated_importance_sampling(rollout) if cfg.ppo.tis_cap else {}
 
         # A truncated row either ends the episode (scored, nothing after it) or is unfinished (its future,
