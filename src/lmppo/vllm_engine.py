@@ -108,7 +108,11 @@ class VLLMGenerator(HFGenerator):
         self.engine.reset_prefix_cache()
         self.synced_version = policy_version
 
-    def _sample(self, query_ids: torch.Tensor, query_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(
+        self, query_ids: torch.Tensor, query_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """The engine's samples and log-probs; no values (vLLM exposes no hidden states: the trainer runs
+        its values pass)."""
         from vllm.inputs import TokensPrompt
 
         prompts = [
@@ -125,7 +129,7 @@ class VLLMGenerator(HFGenerator):
             logp_old[row, : len(ids)] = torch.tensor(
                 [step[token].logprob for token, step in zip(ids, logprobs)]
             )
-        return response_ids.to(query_ids.device), logp_old.to(query_ids.device)
+        return response_ids.to(query_ids.device), logp_old.to(query_ids.device), None
 
     def sequence_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """The engine's log-probs (temperature 1) of every token after the first of each id sequence."""
