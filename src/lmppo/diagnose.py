@@ -66,6 +66,12 @@ def _ends(points: list[tuple[int, float]], share: float) -> tuple[float, float]:
     return statistics.fmean(v for _, v in points[:n]), statistics.fmean(v for _, v in points[-n:])
 
 
+def _rise(points: list[tuple[int, float]], share: float) -> tuple[float, float]:
+    """How far a trend moved between its ends (:func:`_ends`), and the points' spread (population std)."""
+    first, final = _ends(points, share)
+    return final - first, statistics.pstdev(value for _, value in points)
+
+
 def _recent(points: list[tuple[int, float]], cfg: DiagnosisConfig) -> list[tuple[int, float]]:
     """The last ``window`` share of the points, at least ``min_steps``."""
     return points[-max(cfg.min_steps, round(len(points) * cfg.window)) :]
@@ -99,8 +105,8 @@ def over_optimisation(records: Records, cfg: DiagnosisConfig) -> Finding | None:
     )
     for reward in ("reward/rm_score", *components):
         points = series(records, reward)
-        first, final = _ends(points, cfg.window)
-        rise, spread = final - first, statistics.pstdev(value for _, value in points) or 1.0
+        rise, spread = _rise(points, cfg.window)
+        spread = spread or 1.0
         if len(points) >= cfg.min_steps and rise / spread >= cfg.reward_rise_std:
             return Finding(
                 "over_optimisation",
@@ -134,9 +140,7 @@ def reward_flat(records: Records, cfg: DiagnosisConfig) -> Finding | None:
     reward, clip = series(records, "reward/rm_score"), series(records, "policy/clip_frac")
     if len(reward) < cfg.min_steps or not clip:
         return None
-    first, final = _ends(reward, cfg.window)
-    rise = final - first
-    noise = statistics.pstdev(value for _, value in reward)
+    rise, noise = _rise(reward, cfg.window)
     clip_mean = statistics.fmean(value for _, value in clip)
     if clip_mean > cfg.clip_frac_low or abs(rise) > max(noise, 1e-12) * cfg.reward_rise_std:
         return None

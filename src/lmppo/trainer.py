@@ -556,7 +556,9 @@ class PPOTrainer:
         v_loss, v_clip_frac = core.value_loss(
             values, extras["values"], extras["returns"], mask, ppo.value_clip_eps
         )
-        entropy = core.masked_mean(token_entropy, mask)  # a metric, and a loss term if ent_coef > 0
+        if ppo.ent_coef == 0:  # only a metric: the backward skips the entropy's (B, R, V) gradient sweep
+            token_entropy = token_entropy.detach()
+        entropy = core.masked_mean(token_entropy, mask)
         loss = policy_loss + ppo.vf_coef * v_loss - ppo.ent_coef * entropy
         if self.step_count < ppo.critic_warmup_steps:  # the value loss alone (x 0 keeps DDP's graph whole)
             loss = 0.0 * policy_loss + ppo.vf_coef * v_loss
