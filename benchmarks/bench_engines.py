@@ -5,7 +5,8 @@ benchmarks/bench_engines.py``. For each model — a tiny random Llama (hidden 25
 the toy world's tokenizer) and SmolLM2-135M-Instruct with LoRA — it reports generation tokens/s (all
 sampled tokens over the generation seconds, median of ``--repeats``), the seconds to push the policy's
 weights into the engine, and the whole PPO step (median ``perf/step_s`` after a warm-up step) with each
-engine. The engines alternate; every figure comes from this one process.
+engine. With LoRA, ``vllm-lora`` is the vLLM engine synced by adapter only (``rollout.vllm_weight_sync:
+lora``). The engines alternate; every figure comes from this one process.
 
     .venv-vllm/bin/python benchmarks/bench_engines.py --models tiny --steps 3
 """
@@ -92,7 +93,8 @@ def config_for(name: str, model_dir: Path, args, engine: str, out: Path):
             },
             "data": {"prompts": str(PROMPTS)},
             "rollout": {
-                "engine": engine,
+                "engine": engine.removesuffix("-lora"),
+                "vllm_weight_sync": "lora" if engine.endswith("-lora") else "merged",
                 "batch_size": args.batch,
                 "max_new_tokens": args.new_tokens,
                 "temperature": 0.7,
@@ -106,23 +108,23 @@ def config_for(name: str, model_dir: Path, args, engine: str, out: Path):
 def measure(name: str, model_dir: Path, args) -> dict:
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.open()][::7][: args.batch]
     results = {}
-    for engine in ("hf", "vllm"):
+    for engine in ("hf", "vllm", "vllm-lora") if name == "smollm2" else ("hf", "vllm"):
         cfg = config_for(name, model_dir, args, engine, args.work_dir / f"run-{name}-{engine}")
         seed_everything(0)
         models = load_models(cfg, torch.device("cpu"))
         generator = build_generator(cfg, models)
+        sync_s = []  # first, so that a LoRA-synced engine generates with its adapter applied
+        if engine != "hf":
+            for _ in range(args.repeats):
+                started = time.perf_counter()
+                generator.sync_weights(models.policy, 0)
+                sync_s.append(time.perf_counter() - started)
         gen_s, tokens = [], 0
         for _ in range(args.repeats):
             started = time.perf_counter()
             rollout = generator.generate(prompts, policy_version=0)
             gen_s.append(time.perf_counter() - started)
             tokens = rollout.response_ids.numel()
-        sync_s = []
-        if engine == "vllm":
-            for _ in range(args.repeats):
-                started = time.perf_counter()
-                generator.sync_weights(models.policy, 0)
-                sync_s.append(time.perf_counter() - started)
         trainer = PPOTrainer(cfg, models, prompts * 4, generator=generator)
         steps = [trainer.step() for _ in range(args.steps)][1:]
         results[engine] = {
@@ -147,14 +149,14 @@ def main(argv=None) -> None:
     for name in args.models.split(","):
         report[name] = measure(name, models[name](), args)
     print(
-        f"{'model':8} {'engine':6} {'gen tok/s':>10} {'gen s':>7} {'sync s':>7} {'step s':>7} {'rollout s':>9} "
+        f"{'model':8} {'engine':9} {'gen tok/s':>10} {'gen s':>7} {'sync s':>7} {'step s':>7} {'rollout s':>9} "
         f"{'logp gap':>9}"
     )
     for name, engines in report.items():
         for engine, r in engines.items():
             sync = f"{r['weight_sync_s']:.3f}" if r["weight_sync_s"] is not None else "-"
             print(
-                f"{name:8} {engine:6} {r['generation_tokens_per_s']:>10.0f} {r['generation_s']:>7.3f} {sync:>7} "
+                f"{name:8} {engine:9} {r['generation_tokens_per_s']:>10.0f} {r['generation_s']:>7.3f} {sync:>7} "
                 f"{r['step_s']:>7.3f} {r['rollout_s']:>9.3f} {r['engine_logp_gap']:>9.1e}"
             )
     print(

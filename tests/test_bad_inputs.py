@@ -216,6 +216,11 @@ CASES = [
         "rollout.forward_batch_size (rows) or rollout.forward_batch_tokens",
         ppo(None, "rollout.forward_batch_size=2", "rollout.forward_batch_tokens=64"),
     ),
+    Case(
+        "lora sync without lora",
+        "rollout.vllm_weight_sync=lora pushes the policy's LoRA adapters",
+        ppo(None, "rollout.engine=vllm", "rollout.vllm_weight_sync=lora"),
+    ),
     Case("fp16 precision", "run.precision=fp16 is not supported", ppo(None, "run.precision=fp16")),
     Case(
         "16-bit weights fully trained",

@@ -141,12 +141,46 @@ def test_a_ppo_step_syncs_the_engine_to_the_new_weights(engine):
     assert trainer.policy_version == generator.synced_version == 1
     assert metrics["perf/weight_sync_s"] > 0 and metrics["engine/logp_gap"] < TOLERANCE
     after = generator.sequence_logprobs([sequence])[0]
+    assert (after - before).abs().max() > 100 * TOLERANCE  # the weights moved
+    torch.testing.assert_close(after, trainer_logprobs(policy, sequence), atol=TOLERANCE, rtol=0)
+    assert math.isfinite(metrics["policy/loss"])
+
+
+@pytest.mark.vllm
+def test_lora_weight_sync_serves_each_new_adapter_and_keeps_the_base_weights(tiny_dir):
+    """weight_sync="lora": the engine keeps the base weights and serves the adapter saved at each sync, so
+    after every sync its log-probs are the LoRA policy's (two syncs: the second adapter replaces the first)."""
+    pytest.importorskip("vllm")
+    from lmppo.vllm_engine import VLLMGenerator
+
+    tokenizer = load_tokenizer(tiny_dir)
+    policy = apply_lora(load_causal_lm(tiny_dir), r=4, alpha=8, target_modules="all-linear")
+    generator = VLLMGenerator(
+        policy, tokenizer, tiny_dir, max_new_tokens=12, temperature=0.7, weight_sync="lora"
+    )
+    sequence = generator.render(PROMPTS[0]) + tokenizer.convert_tokens_to_ids(["the", "cat", "is", "happy"])
+    base = generator.sequence_logprobs([sequence])[0]  # a fresh adapter is zero: the base weights serve
+    torch.testing.assert_close(base, trainer_logprobs(policy, sequence), atol=TOLERANCE, rtol=0)
+    for version in (1, 2):
+        with torch.no_grad():
+            for name, param in policy.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.5)
+        generator.sync_weights(policy, version)
+        served = generator.sequence_logprobs([sequence])[0]
+        assert generator.synced_version == version and (served - base).abs().max() > 100 * TOLERANCE
+        torch.testing.assert_close(served, trainer_logprobs(policy, sequence), atol=TOLERANCE, rtol=0)
+    rollout = generator.generate(PROMPTS * 2, policy_version=2)
+    mask = rollout.response_mask.bool()
+    assert (teacher_forced(policy, rollout) - rollout.logp_old)[mask].abs().max() < TOLERANCE  # sampling too
+    del generator.engine
+    gc.collect()
+
+
+def trainer_logprobs(policy, sequence):
     with torch.no_grad():
         logits = policy(input_ids=torch.tensor([sequence])).logits[0, :-1].float()
-    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(sequence[1:])[:, None]).squeeze(1)
-    assert (after - before).abs().max() > 100 * TOLERANCE  # the weights moved
-    torch.testing.assert_close(after, expected, atol=TOLERANCE, rtol=0)
-    assert math.isfinite(metrics["policy/loss"])
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(sequence[1:])[:, None]).squeeze(1)
 
 
 @pytest.mark.vllm

@@ -249,6 +249,7 @@ def build_generator(cfg: Config, models: PPOModels) -> Generator:
             cfg.models.policy.path,
             seed=cfg.run.seed,
             kv_cache_gb=cfg.rollout.vllm_kv_cache_gb,
+            weight_sync=cfg.rollout.vllm_weight_sync,
             **generator_options(cfg),
         )
     # A head on the policy's trunk reads its values off the decode loop's hidden states (no values pass);

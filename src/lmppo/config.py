@@ -193,6 +193,12 @@ class RolloutConfig(Section):
         "synced after every update (docs/engines.md)",
     )
     vllm_kv_cache_gb: int = Field(1, ge=1, description="engine=vllm: the engine's CPU KV cache, whole GiB")
+    vllm_weight_sync: Literal["merged", "lora"] = Field(
+        "merged",
+        description="engine=vllm: 'merged' = push every weight with the LoRA adapters folded in; 'lora' = push "
+        "only the adapters (needs models.policy_lora): a tiny sync, but vLLM's LoRA kernels then run beside "
+        "every linear in decode (docs/engines.md: measured slower on CPU)",
+    )
     batch_size: int = Field(16, gt=0, description="prompts per PPO step (global, all ranks)")
     max_new_tokens: int = Field(32, gt=0)
     temperature: float = Field(1.0, gt=0)
@@ -466,6 +472,15 @@ class Config(Section):
             raise ValueError(
                 "distributed.checkpoint=sharded writes each rank's FSDP2 shards, and distributed.strategy="
                 f"{self.distributed.strategy} has none; set distributed.strategy=fsdp2 or distributed.checkpoint=full"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_sync_needs_lora(self) -> Config:
+        if self.rollout.vllm_weight_sync == "lora" and not self.models.policy_lora.enabled:
+            raise ValueError(
+                "rollout.vllm_weight_sync=lora pushes the policy's LoRA adapters, and models.policy_lora is off: "
+                "set models.policy_lora.enabled=true or rollout.vllm_weight_sync=merged"
             )
         return self
 

@@ -8,7 +8,9 @@ the response mask up to and including the first stop token, termination, decodin
 
 After every optimiser step that changes the policy, :meth:`VLLMGenerator.sync_weights` pushes the
 policy's weights into the engine (LoRA adapters folded in, the trained model untouched) and resets the
-prefix cache: cached KV blocks were computed by the old weights and would give wrong log-probs. Each
+prefix cache: cached KV blocks were computed by the old weights and would give wrong log-probs. With
+``weight_sync="lora"`` it pushes only the adapters instead: saved to a folder and served as a new
+``LoRARequest`` id each sync (the engine keeps the base weights, which are the reference's). Each
 rollout records the policy version the engine last received, so the trainer's ``max_rollout_age`` check
 sees a stale engine.
 
@@ -19,7 +21,9 @@ transformers), runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and is see
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -53,14 +57,38 @@ def policy_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return weights
 
 
+def lora_engine_options(policy: nn.Module) -> dict:
+    """``LLM`` arguments that serve ``policy``'s LoRA adapter: its rank, rounded up to one vLLM supports."""
+    from vllm.config.lora import MaxLoRARanks
+
+    rank = max(policy.peft_config[name].r for name in policy.active_adapters)
+    supported = [r for r in MaxLoRARanks.__args__ if r >= rank]
+    if not supported:
+        raise LmppoError(
+            f"models.policy_lora.r={rank} is above vLLM's largest LoRA rank {max(MaxLoRARanks.__args__)}; "
+            "lower it or set rollout.vllm_weight_sync=merged"
+        )
+    return {"enable_lora": True, "max_lora_rank": supported[0], "max_loras": 1}
+
+
 class VLLMGenerator(HFGenerator):
     """Samples with a vLLM engine loaded from ``model_dir``; ``policy`` is the trainer's (synced) module.
 
-    Takes :class:`HFGenerator`'s arguments plus ``seed`` (the engine's sampling seed) and
-    ``kv_cache_gb`` (the engine's CPU KV cache).
+    Takes :class:`HFGenerator`'s arguments plus ``seed`` (the engine's sampling seed), ``kv_cache_gb``
+    (the engine's CPU KV cache) and ``weight_sync`` ("merged" or "lora": what :meth:`sync_weights` pushes).
     """
 
-    def __init__(self, policy, tokenizer, model_dir: str, *, seed: int = 0, kv_cache_gb: int = 1, **options):
+    def __init__(
+        self,
+        policy,
+        tokenizer,
+        model_dir: str,
+        *,
+        seed: int = 0,
+        kv_cache_gb: int = 1,
+        weight_sync: Literal["merged", "lora"] = "merged",
+        **options,
+    ):
         super().__init__(policy, tokenizer, **options)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights sync by reference
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
@@ -78,6 +106,7 @@ class VLLMGenerator(HFGenerator):
             logprobs_mode="processed_logprobs",  # log-probs of the tempered (and top-k/top-p) distribution
             generation_config="vllm",  # never the checkpoint's sampling defaults, as in HFGenerator
             max_model_len=self.max_prompt_length + self.max_new_tokens if self.max_prompt_length else None,
+            **(lora_engine_options(policy) if weight_sync == "lora" else {}),
         )
         self.sampling_params = SamplingParams(
             n=1,
@@ -95,6 +124,13 @@ class VLLMGenerator(HFGenerator):
             detokenize=False,
         )
         self.synced_version = 0
+        self.weight_sync = weight_sync
+        # lora: the adapter folder of the last sync, and its request (None until then: a fresh adapter is
+        # zero, so the engine's base weights are the policy)
+        self.adapter_dir = (
+            tempfile.TemporaryDirectory(prefix="lmppo-lora-") if weight_sync == "lora" else None
+        )
+        self.lora_request = None
 
     def generate(self, prompts, policy_version: int):
         """Sample with the engine; the rollout records the version the engine holds, not the trainer's."""
@@ -103,8 +139,16 @@ class VLLMGenerator(HFGenerator):
     def sync_weights(self, policy: nn.Module, policy_version: int) -> None:
         """Push ``policy``'s weights into the engine and drop every cached KV block (the trainer times it:
         ``perf/weight_sync_s``)."""
-        weights = policy_weights(policy)
-        self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+        if self.weight_sync == "lora":
+            from vllm.lora.request import LoRARequest
+
+            # a new id per sync: vLLM loads the folder at an id's first request, then serves it from its cache
+            lora_id = self.lora_request.lora_int_id + 1 if self.lora_request else 1
+            policy.save_pretrained(self.adapter_dir.name)
+            self.lora_request = LoRARequest(f"policy-{lora_id}", lora_id, self.adapter_dir.name)
+        else:
+            weights = policy_weights(policy)
+            self.engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
         self.engine.reset_prefix_cache()
         self.synced_version = policy_version
 
@@ -119,7 +163,9 @@ class VLLMGenerator(HFGenerator):
             TokensPrompt(prompt_token_ids=row[mask.bool()].tolist())
             for row, mask in zip(query_ids, query_mask)
         ]
-        outputs = self.engine.generate(prompts, self.sampling_params, use_tqdm=False)
+        outputs = self.engine.generate(
+            prompts, self.sampling_params, use_tqdm=False, lora_request=self.lora_request
+        )
         samples = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
         width = max(len(ids) for ids, _ in samples)
         response_ids = torch.full((len(samples), width), self.pad_token_id, dtype=torch.long)
@@ -138,7 +184,10 @@ class VLLMGenerator(HFGenerator):
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         outputs = self.engine.generate(
-            [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=list(s)) for s in sequences],
+            params,
+            use_tqdm=False,
+            lora_request=self.lora_request,
         )
         return [
             torch.tensor([step[token].logprob for token, step in zip(s[1:], o.prompt_logprobs[1:])])
