@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import random
 import warnings
@@ -67,9 +68,16 @@ def distributed_session(device: str, timeout_s: float = 600.0) -> Iterator[DistI
         )
     try:
         yield DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.group.WORLD)
-    finally:
-        if created:
+    except BaseException:
+        if created:  # no barrier: a lost rank would never reach it
             dist.destroy_process_group()
+        raise
+    if created:
+        # every rank done, and the models' pending work freed, before gloo's threads are torn down: a rank
+        # that exits while its peer still holds work aborts with "terminate called without an active exception"
+        dist.barrier()
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def seed_everything(seed: int) -> None:
