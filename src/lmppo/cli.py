@@ -185,6 +185,11 @@ def quickstart(
     seed: int = typer.Option(0, "--seed", help="Seed of the toy world, data and training."),
     beta: float | None = typer.Option(None, "--beta", help="KL coefficient; --beta 0 shows reward hacking."),
     fast: bool = typer.Option(False, "--fast", help="The CI-sized run: less data, fewer PPO steps."),
+    models_from: Path | None = typer.Option(
+        None,
+        "--models-from",
+        help="An earlier quickstart's --out (same --seed): reuse its world, SFT policy and reward model.",
+    ),
 ) -> None:
     """The whole RLHF pipeline on the embedded toy world: SFT, reward model, PPO, evaluation, report."""
     from lmppo.quickstart import run_quickstart
@@ -192,7 +197,7 @@ def quickstart(
     overrides = list(overrides or [])
     if beta is not None:
         overrides.append(f"kl.beta={beta}")
-    run_quickstart(out, seed=seed, fast=fast, overrides=overrides)
+    run_quickstart(out, seed=seed, fast=fast, overrides=overrides, models_from=models_from)
 
 
 @app.command("check-rm")

@@ -28,7 +28,7 @@ from lmppo.report import report
 from lmppo.reward_modeling import evaluate_reward_model, train_reward_model, write_rm_eval_json
 from lmppo.run import train
 from lmppo.sft import train_sft
-from lmppo.toy.models import build_toy_world, reward_model_from_policy
+from lmppo.toy.models import ToyWorld, build_toy_world, load_toy_world, reward_model_from_policy
 from lmppo.toy.task import gold_score, task_of
 
 console = Console()
@@ -39,13 +39,15 @@ FAST_DATA = {"sft_train": 1200, "sft_test": 100, "prefs_train": 1200, "prefs_tes
 FAST_OVERRIDES = ("sft.epochs=6", "reward_model.epochs=5", "run.steps=20", "run.eval_every=0")
 
 
-def quickstart_config(out_dir: Path, world, overrides: list[str]) -> QuickstartConfig:
-    """The packaged settings with this run's paths, then the user's overrides (PPO keys need no prefix)."""
+def quickstart_config(out_dir: Path, models_dir: Path, world, overrides: list[str]) -> QuickstartConfig:
+    """The packaged settings with this run's paths (the SFT and RM under ``models_dir``), then the user's
+    overrides (PPO keys need no prefix)."""
     raw = yaml.safe_load(resources.files("lmppo.toy").joinpath("quickstart.yaml").read_text())
     paths = [
-        f"models.policy.path={out_dir / 'sft'}",
-        f"reward.model.path={out_dir / 'rm'}",
+        f"models.policy.path={models_dir / 'sft'}",
+        f"reward.model.path={models_dir / 'rm'}",
         f"data.prompts={world.data['prompts_train']}",
+        f"data.ptx_demonstrations={world.data['sft_train']}",  # read only when ppo.ptx_coef > 0
         f"run.output_dir={out_dir / 'ppo'}",
     ]
     for override in [*paths, *overrides]:
@@ -54,20 +56,9 @@ def quickstart_config(out_dir: Path, world, overrides: list[str]) -> QuickstartC
     return validate_config(raw, source="quickstart settings", schema=QuickstartConfig)
 
 
-def run_quickstart(
-    out_dir: str | Path = "runs/quickstart", *, seed: int = 0, fast: bool = False, overrides: list[str] = ()
-) -> dict:
-    """Run every stage; returns the evaluation summary (also printed and written to the run)."""
-    out_dir, started = Path(out_dir), time.perf_counter()
-    if (out_dir / "ppo").exists():
-        raise LmppoError(f"{out_dir} already holds a quickstart run; remove it or pass --out NEW_DIR")
-
-    with console.status("[1/6] building the toy world: tokenizers, tiny Llamas, data"):
-        world = build_toy_world(out_dir / "world", seed=seed, sizes=FAST_DATA if fast else None)
-        cfg = quickstart_config(out_dir, world, [*(FAST_OVERRIDES if fast else ()), *overrides])
-        cfg.ppo_run.run.seed = seed
-    console.print(f"[1/6] toy world in {out_dir / 'world'}")
-
+def train_sft_and_reward_model(out_dir: Path, world: ToyWorld, cfg: QuickstartConfig, seed: int) -> dict:
+    """Stages 2 and 3: the SFT policy (``out_dir/sft``) and the reward model (``out_dir/rm``); returns the
+    RM's held-out evaluation."""
     with console.status("[2/6] SFT on noisy demonstrations"):
         tokenizer = load_tokenizer(world.policy_dir)
         policy = load_causal_lm(world.policy_dir)
@@ -102,6 +93,43 @@ def run_quickstart(
     console.print(
         f"[3/6] reward model: held-out accuracy {rm_eval['accuracy']:.3f} ({rm_stats['time_s']:.0f} s)"
     )
+    return rm_eval
+
+
+def run_quickstart(
+    out_dir: str | Path = "runs/quickstart",
+    *,
+    seed: int = 0,
+    fast: bool = False,
+    overrides: list[str] = (),
+    models_from: str | Path | None = None,
+) -> dict:
+    """Run every stage; returns the evaluation summary (also printed and written to the run).
+
+    ``models_from``: the directory of an earlier quickstart of the same seed whose world, SFT policy and
+    reward model this run reuses (stages 1-3 skipped): PPO settings compared on the same models.
+    """
+    out_dir, started = Path(out_dir), time.perf_counter()
+    if (out_dir / "ppo").exists():
+        raise LmppoError(f"{out_dir} already holds a quickstart run; remove it or pass --out NEW_DIR")
+    models_dir = Path(models_from) if models_from is not None else out_dir
+    if models_from is not None and not (models_dir / "ppo" / "rm_eval.json").is_file():
+        raise LmppoError(f"{models_dir} holds no finished quickstart to reuse; run one there first")
+
+    with console.status("[1/6] building the toy world: tokenizers, tiny Llamas, data"):
+        if models_from is None:
+            world = build_toy_world(out_dir / "world", seed=seed, sizes=FAST_DATA if fast else None)
+        else:
+            world = load_toy_world(models_dir / "world")
+        cfg = quickstart_config(out_dir, models_dir, world, [*(FAST_OVERRIDES if fast else ()), *overrides])
+        cfg.ppo_run.run.seed = seed
+    console.print(f"[1/6] toy world in {models_dir / 'world'}")
+    if models_from is None:
+        rm_eval = train_sft_and_reward_model(out_dir, world, cfg, seed)
+    else:
+        rm_eval = json.loads((models_dir / "ppo" / "rm_eval.json").read_text())
+        console.print(f"[2-3/6] SFT policy and reward model of {models_dir}")
+    tokenizer = load_tokenizer(models_dir / "sft")
 
     ppo_cfg = cfg.ppo_run
     eval_prompts = [row["prompt"] for row in read_jsonl(world.data["prompts_test"])]
@@ -139,7 +167,7 @@ def run_quickstart(
     write_rm_eval_json(run_dir, rm_eval)
 
     with console.status("[5/6] held-out evaluation of SFT and PPO"):
-        sft_policy = load_causal_lm(out_dir / "sft")
+        sft_policy = load_causal_lm(models_dir / "sft")
         ppo_policy = load_causal_lm(run_dir / "final")
         scorer = load_reward(ppo_cfg.reward).reward  # the frozen RM, scored as during PPO
         results = {

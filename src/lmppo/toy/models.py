@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from lmppo.errors import LmppoError
-from lmppo.toy.task import tokenizer_corpus, toy_datasets, write_jsonl
+from lmppo.toy.task import DEFAULT_SIZES, tokenizer_corpus, toy_datasets, write_jsonl
 from lmppo.toy.tokenizer import policy_tokenizer, reward_tokenizer, train_bpe
 
 MAX_POSITIONS = 128  # prompt + response of the toy task stay under 64 tokens
@@ -104,3 +104,14 @@ def build_toy_world(out_dir: str | Path, seed: int = 0, sizes: dict[str, int] | 
     for name, rows in toy_datasets(seed, sizes).items():
         world.data[name] = write_jsonl(rows, out_dir / "data" / f"{name}.jsonl")
     return world
+
+
+def load_toy_world(out_dir: str | Path) -> ToyWorld:
+    """The toy world an earlier :func:`build_toy_world` wrote to ``out_dir``."""
+    out_dir = Path(out_dir)
+    data = {name: out_dir / "data" / f"{name}.jsonl" for name in DEFAULT_SIZES}
+    if missing := [str(path) for path in data.values() if not path.is_file()]:
+        raise LmppoError(
+            f"{out_dir} is not a toy world: {', '.join(missing)} missing; build it with build_toy_world"
+        )
+    return ToyWorld(out_dir / "policy_base", out_dir / "reward_tokenizer", data)
