@@ -51,6 +51,9 @@ ROWS: dict[str, list[str]] = {
     "entropy 0.03": ["ppo.ent_coef=0.03"],
     "one minibatch of 32": ["ppo.minibatch_size=32"],
     "60 steps": ["run.steps=60", "run.eval_every=20"],
+    "lr 2e-4 + 60 steps": ["ppo.lr=2e-4", "run.steps=60", "run.eval_every=20"],
+    "lr 2e-4 + 80 steps": ["ppo.lr=2e-4", "run.steps=80", "run.eval_every=20"],
+    "one minibatch of 32 + 60 steps": ["ppo.minibatch_size=32", "run.steps=60", "run.eval_every=20"],
 }
 
 

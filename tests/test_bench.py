@@ -125,3 +125,37 @@ def test_bench_gpu_runs_on_cpu_too(tmp_path):
     result = report["results"]["smollm2 fp32"]
     assert "error" not in result, result
     assert result["step_s"] > 0 and result["peak_mb"] > 0 and abs(result["plan_error"]) < 0.25
+
+
+def test_ablation_resumes_from_its_results_and_reports_aborted_seeds(tmp_path, monkeypatch):
+    """benchmarks/ablate_quickstart.py with its quickstarts faked: each row reuses its seed's 'default'
+    run, rows already in results.jsonl are not run again, and a run a guard stopped is named."""
+    sys.path.insert(0, str(BENCH.parent))
+    import ablate_quickstart
+
+    calls = []
+
+    def fake_run(out, seed, overrides, models_from):
+        calls.append((out.name, seed, models_from and models_from.name))
+        (out / "ppo").mkdir(parents=True)
+        (out / "ppo" / "quickstart.json").write_text("{}")
+        if overrides == ["ppo.ptx_coef=0.1"] and seed == 1:
+            return {"failed": 3, "stderr": "guard"}
+        gold = 2.0 + 0.1 * seed + 0.05 * bool(overrides)
+        figures = {"gold_ppo": gold, "gap_closed": (gold - 1.5) / 1.2, "win_rate": 0.75, "kl": 2.0}
+        return {**figures, "ppl_ratio": 1.5, "gold_repeat": 1.9}
+
+    monkeypatch.setattr(ablate_quickstart, "run", fake_run)
+    args = ["--seeds", "0,1", "--rows", "default,ptx 0.1", "--work-dir", str(tmp_path)]
+    ablate_quickstart.main(args)
+    assert calls == [("base", 0, None), ("ptx_0.1", 0, "base"), ("base", 1, None), ("ptx_0.1", 1, "base")]
+    calls.clear()
+    ablate_quickstart.main(args)  # everything is in results.jsonl already
+    assert calls == []
+    rows = ablate_quickstart.table(
+        [json.loads(line) for line in (tmp_path / "results.jsonl").open()], ["default", "ptx 0.1"]
+    ).splitlines()
+    assert rows[2].startswith("| default | `—` | 2.050 ± 0.071 | 0.46 ± 0.06 | 0.42 |")
+    assert rows[3].startswith(
+        "| ptx 0.1 (seeds [1] stopped by a guard) | `ppo.ptx_coef=0.1` | 2.050 ± 0.000 |"
+    )

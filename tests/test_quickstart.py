@@ -33,6 +33,10 @@ def test_fast_quickstart_improves_gold_score_with_an_accurate_reward_model(tmp_p
     assert pngs and sorted(embedded) == pngs  # every plot is in the self-contained page
     assert (run_dir / "final" / "generation_config.json").is_file()
     assert diagnose_run(run_dir) == []  # a healthy run: no failure mode in its metrics
+    # PPO again on seed 0's SFT policy and RM (--models-from, as benchmarks/ablate_quickstart.py does)
+    reused = run_quickstart(tmp_path / "reuse0", fast=True, seed=0, models_from=tmp_path / "qs0")
+    assert reused == json.loads((run_dir / "quickstart.json").read_text())["summary"]
+    assert not (tmp_path / "reuse0" / "sft").exists()  # stages 1-3 skipped
 
 
 @pytest.mark.slow
@@ -48,6 +52,12 @@ def test_the_beta_0_quickstart_is_stopped_by_a_guard_and_diagnosed_as_over_optim
     assert "over_optimisation" in findings and "eval/gold_score" in findings["over_optimisation"].evidence
     assert (run_dir / "best" / "config.json").is_file() and not (run_dir / "final").exists()
     assert "over_optimisation" in (run_dir / "report" / "index.html").read_text()
+
+
+def test_models_from_needs_a_finished_quickstart(tmp_path, capsys):
+    assert run_cli("quickstart", "--out", str(tmp_path / "qs"), "--models-from", str(tmp_path / "none")) == 2
+    assert "holds no finished quickstart to reuse" in capsys.readouterr().err
+    assert not (tmp_path / "qs").exists()  # nothing written
 
 
 def test_train_rm_rejects_a_row_without_chosen(tmp_path, capsys):
