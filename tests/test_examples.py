@@ -80,3 +80,30 @@ def test_reward_ranks_short_correct_above_long_or_wrong_and_refuses_unknown_prom
     assert scores[0] > scores[1] > 0 and scores[0] > scores[2]
     with pytest.raises(UserCodeError, match="raised ValueError: unknown prompt"):  # the judge refuses it
         reward(["What is love?"], ["Baby don't hurt me."])
+
+
+def test_length_balanced_pairs_leave_brevity_no_signal_per_kind(monkeypatch):
+    """prepare.py's length-balanced selection: per kind, chosen-shorter and chosen-longer pairs in equal
+    numbers (equal lengths kept), a subset of the input in its order, the same for the same seed."""
+    monkeypatch.chdir(ROOT)
+    length_balanced = load_function("examples/smollm2/prepare.py:length_balanced")
+
+    def words(n):
+        return " ".join(["w"] * n)
+
+    def sign(pair):  # -1: the chosen response is shorter, +1: longer
+        gap = len(pair["chosen"].split()) - len(pair["rejected"].split())
+        return (gap > 0) - (gap < 0)
+
+    pairs = [
+        {"type": kind, "chosen": words(c), "rejected": words(r), "id": i}
+        for i, (kind, c, r) in enumerate(
+            [("math", 2, 5)] * 6 + [("math", 5, 2)] * 2 + [("math", 3, 3)] + [("list", 4, 1)] * 3
+        )
+    ]
+    kept = length_balanced(pairs, seed=0)
+    math = [sign(p) for p in kept if p["type"] == "math"]
+    assert math.count(-1) == math.count(1) == 2 and math.count(0) == 1
+    assert not [p for p in kept if p["type"] == "list"]  # no chosen-shorter pair to balance them
+    assert [p["id"] for p in kept] == sorted(p["id"] for p in kept)
+    assert kept == length_balanced(pairs, seed=0) and kept != length_balanced(pairs, seed=3)

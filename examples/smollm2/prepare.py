@@ -31,6 +31,8 @@ steps:
      (ties are skipped), and write runs/smollm2/prefs_train.jsonl (training prompts) and
      prefs_test.jsonl (held-out prompts): {"prompt", "chosen", "rejected", "type"} rows for
      `lmppo train-rm` ("type" is the prompt's kind, so held-out accuracy is reported per kind).
+     Also prefs_train_balanced.jsonl (unless --no-length-balanced): per kind, as many pairs whose
+     chosen response is shorter as pairs whose chosen one is longer, so brevity alone cannot win.
   4. with --baseline N: sample the base model on N held-out prompts (spread over the kinds,
      temperature 0.7) and print the share meeting the target, mean words, mean reward and EOS rate.
 """
@@ -115,6 +117,23 @@ def make_pairs(judge, model, tokenizer, rows: list[dict], args) -> list[dict]:
     return pairs
 
 
+def length_balanced(pairs: list[dict], seed: int) -> list[dict]:
+    """The pairs with brevity taken out as a signal: per kind, as many pairs whose chosen response is
+    shorter (in words) as pairs whose chosen one is longer, the larger side subsampled with ``seed``;
+    pairs of equal length are all kept. An RM trained on them cannot win by preferring short answers."""
+    rng = random.Random(seed)
+    kept = []
+    for kind in sorted({p["type"] for p in pairs}):
+        sides: dict[int, list[dict]] = {-1: [], 0: [], 1: []}
+        for pair in (p for p in pairs if p["type"] == kind):
+            gap = len(pair["chosen"].split()) - len(pair["rejected"].split())
+            sides[(gap > 0) - (gap < 0)].append(pair)
+        n = min(len(sides[-1]), len(sides[1]))
+        kept += sides[0] + rng.sample(sides[-1], n) + rng.sample(sides[1], n)
+    order = {id(p): i for i, p in enumerate(pairs)}
+    return sorted(kept, key=lambda p: order[id(p)])  # the file's order, prompts grouped as before
+
+
 def spread_over_kinds(rows: list[dict], n: int, seed: int) -> list[dict]:
     """n rows taken round-robin over the kinds (each kind shuffled with ``seed``)."""
     by_kind: dict[str, list[dict]] = {}
@@ -184,6 +203,12 @@ def main() -> None:
     parser.add_argument(
         "--out-dir", type=Path, default=RUNS, help="where pairs and baseline rows go (default runs/smollm2)"
     )
+    parser.add_argument(
+        "--length-balanced",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also write prefs_train_balanced.jsonl: as many chosen-shorter as chosen-longer pairs per kind",
+    )
     parser.add_argument("--seed", type=int, default=0, help="torch seed of the sampling (default 0)")
     parser.add_argument("--batch-size", type=int, default=32, help="rows per generate call (default 32)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="response length cap (default 48)")
@@ -210,6 +235,12 @@ def main() -> None:
             pairs = make_pairs(judge, model, tokenizer, rows, args)
             path = args.out_dir / f"prefs_{split}.jsonl"
             write_jsonl(path, pairs)
+            if split == "train" and args.length_balanced:
+                balanced = length_balanced(pairs, args.seed)
+                write_jsonl(args.out_dir / "prefs_train_balanced.jsonl", balanced)
+                print(
+                    f"train: {len(balanced)} length-balanced pairs -> {args.out_dir / 'prefs_train_balanced.jsonl'}"
+                )
             if pairs:
                 print(
                     f"{split}: {len(pairs)} pairs from {len(rows)} prompts ({len(rows) - len(pairs)} ties skipped); "
