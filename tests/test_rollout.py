@@ -362,6 +362,25 @@ def test_a_shared_trunk_reads_its_values_off_the_decode_loop(policy_tokenizer, p
     torch.testing.assert_close(rollout.extras["values"][mask], values[mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(rollout.extras["bootstrap_value"], bootstrap, atol=1e-5, rtol=0)
     assert (rollout.extras["bootstrap_value"] != 0).any() == (boost == 1.5)
+
+    # truncation as terminal never reads the bootstrap: no extra decode step for it, the same values
+    def counted(**kwargs):
+        forwards = []
+        hook = model.register_forward_hook(lambda *_: forwards.append(1))
+        try:
+            rollout = generate(
+                model, policy_tokenizer, prompts=PROMPTS * 2, max_new_tokens=8, seed=2, **kwargs
+            )
+            return len(forwards), rollout
+        finally:
+            hook.remove()
+
+    n_with, _ = counted(value_model=value_model)
+    n_terminal, terminal = counted(value_model=value_model, bootstrap_values=False)
+    assert n_terminal == n_with - (boost == 1.5)
+    assert torch.equal(terminal.response_ids, rollout.response_ids)
+    torch.testing.assert_close(terminal.extras["values"][mask], rollout.extras["values"][mask])
+    assert not terminal.extras["bootstrap_value"].any()
     with pytest.raises(ValueError, match="own trunk"):
         HFGenerator(model, policy_tokenizer, max_new_tokens=4, value_model=ValueModel.from_causal_lm(model))
 

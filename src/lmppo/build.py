@@ -255,5 +255,10 @@ def build_generator(cfg: Config, models: PPOModels) -> Generator:
     # A head on the policy's trunk reads its values off the decode loop's hidden states (no values pass);
     # under FSDP2 the head is sharded with the trunk, so the trainer's gathered values pass stays.
     reads_values = getattr(models.value, "shared_trunk", False) and cfg.distributed.strategy != "fsdp2"
-    value_model = models.value if reads_values else None
-    return HFGenerator(models.policy, models.tokenizer, value_model=value_model, **generator_options(cfg))
+    return HFGenerator(
+        models.policy,
+        models.tokenizer,
+        value_model=models.value if reads_values else None,
+        bootstrap_values=cfg.rollout.truncation == "bootstrap",  # terminal: the trainer zeroes it anyway
+        **generator_options(cfg),
+    )

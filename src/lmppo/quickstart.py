@@ -119,7 +119,7 @@ def run_quickstart(
     with console.status("[1/6] building the toy world: tokenizers, tiny Llamas, data"):
         if models_from is None:
             world = build_toy_world(out_dir / "world", seed=seed, sizes=FAST_DATA if fast else None)
-        else:
+        else:  # the same seed's world: its SFT policy and RM were trained on it
             world = load_toy_world(models_dir / "world")
         cfg = quickstart_config(out_dir, models_dir, world, [*(FAST_OVERRIDES if fast else ()), *overrides])
         cfg.ppo_run.run.seed = seed

@@ -448,8 +448,9 @@ class HFGenerator:
 
     With ``value_model`` (a head on this policy's own trunk, :meth:`ValueModel.shared_trunk`) the loop also
     reads the values off the last hidden states it computes anyway: ``extras["values"]`` and
-    ``extras["bootstrap_value"]`` as :func:`value_predictions` defines them (one more decode step when a
-    row is truncated), so the trainer skips its values pass.
+    ``extras["bootstrap_value"]`` as :func:`value_predictions` defines them, so the trainer skips its values
+    pass. A truncated row's bootstrap costs one more decode step; ``bootstrap_values=False`` (a run whose
+    truncation is terminal, which never reads it) skips that step and leaves the bootstrap 0.
     """
 
     def __init__(
@@ -467,6 +468,7 @@ class HFGenerator:
         max_prompt_length: int | None = None,
         truncate_prompts: bool = False,
         value_model: ValueModel | None = None,
+        bootstrap_values: bool = True,
     ) -> None:
         if value_model is not None and not value_model.shared_trunk:
             raise ValueError("HFGenerator reads values only from a head on the policy's own trunk")
@@ -487,6 +489,7 @@ class HFGenerator:
         if not stops:
             raise LmppoError("the tokenizer has no EOS token; give `stop_token_ids` so responses can end.")
         self.model, self.tokenizer, self.value_model = model, tokenizer, value_model
+        self.bootstrap_values = bootstrap_values
         self.max_new_tokens = max_new_tokens
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.stop_token_ids = sorted(stops)
@@ -594,8 +597,8 @@ class HFGenerator:
         Returns ``response_ids`` (B, R') and their log-probs (B, R') at the sampling temperature, with
         R' <= max_new_tokens (the loop ends once every row has emitted a stop token; a finished row is
         filled with the pad id), and with a value model the values (B, R' + 1) of the state before each
-        token and after the last one (a truncated row needs one more forward for it; otherwise that last
-        column is never read). Positions count real tokens only, as in :func:`sequence_inputs`.
+        token and after the last one (a truncated row needs one more forward for it, run only with
+        ``bootstrap_values``; a column no forward reached is 0). Positions count real tokens only, as in :func:`sequence_inputs`.
         """
         batch, width = query_ids.shape
         device = query_ids.device
@@ -636,7 +639,7 @@ class HFGenerator:
             logps.append(logp)
             finished |= torch.isin(token, stops)
             last = step + 1 == self.max_new_tokens or finished.all()
-            if last and (self.value_model is None or finished.all()):
+            if last and (self.value_model is None or finished.all() or not self.bootstrap_values):
                 break
             cursor = width + step
             attention_mask[:, cursor] = 1
