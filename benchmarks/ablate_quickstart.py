@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from ablation import markdown_table, parser, run_rows, seeds_and_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PERFECT_GOLD = 2.7
@@ -58,12 +59,7 @@ ROWS: dict[str, list[str]] = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
-    p.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "ablation")
-    p.add_argument("--extra", default="", help="overrides added to every row (space-separated)")
-    return p.parse_args(argv)
+    return parser(__doc__, ROWS, ",".join(ROWS), ROOT / "runs" / "ablation").parse_args(argv)
 
 
 def run(out: Path, seed: int, overrides: list[str], models_from: Path | None) -> dict:
@@ -104,72 +100,35 @@ def run(out: Path, seed: int, overrides: list[str], models_from: Path | None) ->
     }
 
 
-def mean_std(values: list[float], digits: int) -> str:
-    mean = statistics.fmean(values)
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{mean:.{digits}f} ± {spread:.{digits}f}"
+COLUMNS = [
+    ("gold PPO", "gold_ppo", 3),
+    ("gap closed", "gap_closed", 2),
+    ("min gap closed", lambda runs: f"{min(r['gap_closed'] for r in runs):.2f}", 2),
+    ("win rate", "win_rate", 2),
+    ("KL", "kl", 1),
+    ("ppl ×", "ppl_ratio", 2),
+    ("gold, repeat", "gold_repeat", 2),
+]
 
 
 def table(results: list[dict], rows: list[str]) -> str:
-    columns = [
-        ("gold PPO", "gold_ppo", 3),
-        ("gap closed", "gap_closed", 2),
-        ("min gap closed", None, 2),
-        ("win rate", "win_rate", 2),
-        ("KL", "kl", 1),
-        ("ppl ×", "ppl_ratio", 2),
-        ("gold, repeat", "gold_repeat", 2),
-    ]
-    lines = [
-        "| row | overrides | " + " | ".join(name for name, _, _ in columns) + " |",
-        "|---|---|" + "---|" * len(columns),
-    ]
-    for row in rows:
-        runs = [r for r in results if r["row"] == row and "failed" not in r]
-        aborted = sorted(r["seed"] for r in results if r["row"] == row and "failed" in r)
-        if not runs:
-            continue
-        cells = []
-        for _, key, digits in columns:
-            if key is None:
-                cells.append(f"{min(r['gap_closed'] for r in runs):.2f}")
-            else:
-                cells.append(mean_std([r[key] for r in runs], digits))
-        overrides = " ".join(ROWS[row]) or "—"
-        note = f" (seeds {aborted} stopped by a guard)" if aborted else ""
-        lines.append(f"| {row}{note} | `{overrides}` | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return markdown_table(results, rows, ROWS, COLUMNS)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    rows = args.rows.split(",")
-    if unknown := [row for row in rows if row not in ROWS]:
-        raise SystemExit(f"unknown rows {unknown}; pick from {list(ROWS)}")
+    seeds, rows = seeds_and_rows(args, ROWS)
     extra = args.extra.split()
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-    results_file = args.work_dir / "results.jsonl"
-    results = [json.loads(line) for line in results_file.open()] if results_file.is_file() else []
-    done = {(r["row"], r["seed"]) for r in results}
-    for seed in seeds:
+
+    def run_one(row: str, seed: int) -> dict:
         base = args.work_dir / f"seed{seed}" / "base"
-        for row in rows:
-            if (row, seed) in done:
-                continue
-            out = base if row == "default" else args.work_dir / f"seed{seed}" / row.replace(" ", "_")
-            if row != "default" and not (base / "ppo" / "quickstart.json").is_file():
-                raise SystemExit(f"{base} holds no finished quickstart: list the 'default' row first")
-            result = {
-                "row": row,
-                "seed": seed,
-                **run(out, seed, [*extra, *ROWS[row]], None if row == "default" else base),
-            }
-            results.append(result)
-            with results_file.open("a") as f:
-                f.write(json.dumps(result) + "\n")
-            print(json.dumps(result), file=sys.stderr, flush=True)
-    print(table([r for r in results if r["seed"] in seeds], rows))
+        if row == "default":
+            return run(base, seed, [*extra, *ROWS[row]], None)
+        if not (base / "ppo" / "quickstart.json").is_file():
+            raise SystemExit(f"{base} holds no finished quickstart: list the 'default' row first")
+        return run(args.work_dir / f"seed{seed}" / row.replace(" ", "_"), seed, [*extra, *ROWS[row]], base)
+
+    print(table(run_rows(args.work_dir, seeds, rows, run_one), rows))
 
 
 if __name__ == "__main__":

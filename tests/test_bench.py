@@ -159,3 +159,48 @@ def test_ablation_resumes_from_its_results_and_reports_aborted_seeds(tmp_path, m
     assert rows[3].startswith(
         "| ptx 0.1 (seeds [1] stopped by a guard) | `ppo.ptx_coef=0.1` | 2.050 ± 0.000 |"
     )
+
+
+def test_smollm2_ablation_judges_each_answer_and_reads_the_runs_own_evaluations(tmp_path, monkeypatch):
+    """benchmarks/ablate_smollm2.py on a faked finished run: correct and brief come from judge.py on the
+    evaluated answers, the best held-out score from metrics.jsonl, the RM's accuracy from its directory."""
+    sys.path.insert(0, str(BENCH.parent))
+    import ablate_smollm2
+
+    from lmppo.config import load_config
+
+    rm_dir, out = tmp_path / "rm", tmp_path / "run"
+    rm_dir.mkdir()
+    (rm_dir / "rm_eval.json").write_text(json.dumps({"accuracy": 0.8}))
+    out.mkdir()
+    config = load_config(ablate_smollm2.EXAMPLE / ablate_smollm2.RM, [f"reward.model.path={rm_dir}"])
+    (out / "config.yaml").write_text(config.to_yaml())
+    prompt = "What is the capital of Germany?"
+    answers = [
+        "Berlin.",
+        "The capital of Germany is Vienna, I believe, and Berlin is second in size and in its fame.",
+    ]
+    rows = [{"prompt": prompt, "response": a} for a in answers]
+    start = {"eval/gold_score": 0.1}
+    ppo = {"eval/gold_score": 0.5, "eval/response/length": 9.0, "eval/response/eos_frac": 1.0}
+    ppo |= {"eval/kl/ref": 3.0, "eval/win_rate": 0.7}
+    record = {"summary": {"policies": {"start": start, "PPO": ppo}}, "policies": {"PPO": {"rows": rows}}}
+    (out / "eval.json").write_text(json.dumps(record))
+    evals = [{"step": 0, "eval/gold_score": 0.1}, {"step": 10, "eval/gold_score": 0.6}, {"step": 20}]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    result = ablate_smollm2.figures(out)
+    # the second answer names Vienna, another capital, before Berlin, and runs past 12 words
+    assert result["correct"] == 0.5 and result["brief"] == 0.5
+    assert (result["best_meets"], result["best_step"]) == (0.6, 10) and result["rm_accuracy"] == 0.8
+
+    monkeypatch.setattr(
+        ablate_smollm2, "run", lambda out, seed, config, overrides: {**result, "wall_s": 60.0}
+    )
+    ablate_smollm2.main(["--seeds", "0,1", "--rows", "rm natural", "--work-dir", str(tmp_path / "ab")])
+    lines = ablate_smollm2.table(
+        [json.loads(line) for line in (tmp_path / "ab" / "results.jsonl").open()], ["rm natural"]
+    ).splitlines()
+    assert lines[2].startswith(
+        "| rm natural | `reward.model.path=runs/smollm2/rm_natural` | 0.500 ± 0.000 | 0.500 |"
+    )
+    assert lines[2].endswith("| 0.800 | 1.0 |")
