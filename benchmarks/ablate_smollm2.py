@@ -31,12 +31,9 @@ JUDGE, RM = "ppo_judge.yaml", "ppo_rm.yaml"
 # row -> (config in examples/smollm2/, overrides)
 ROWS: dict[str, tuple[str, list[str]]] = {
     "judge": (JUDGE, []),
-    "judge 60 steps": (JUDGE, ["run.steps=60"]),
-    "judge lr 2e-4": (JUDGE, ["ppo.lr=2e-4"]),
-    "judge batch 32": (JUDGE, ["rollout.batch_size=32", "ppo.minibatch_size=16"]),
-    "rm": (RM, []),
-    "rm natural": (RM, ["reward.model.path=runs/smollm2/rm_natural"]),
-    "rm balanced": (RM, ["reward.model.path=runs/smollm2/rm_balanced"]),
+    "judge 30 steps": (JUDGE, ["run.steps=30"]),  # the example's length before issue 21
+    "rm": (RM, []),  # the RM of rm.yaml: all pairs prepare.py --pairs writes
+    "rm balanced": (RM, ["reward.model.path=runs/smollm2/rm_balanced"]),  # rm.yaml on the balanced pairs
 }
 
 

@@ -196,11 +196,11 @@ def test_smollm2_ablation_judges_each_answer_and_reads_the_runs_own_evaluations(
     monkeypatch.setattr(
         ablate_smollm2, "run", lambda out, seed, config, overrides: {**result, "wall_s": 60.0}
     )
-    ablate_smollm2.main(["--seeds", "0,1", "--rows", "rm natural", "--work-dir", str(tmp_path / "ab")])
+    ablate_smollm2.main(["--seeds", "0,1", "--rows", "rm balanced", "--work-dir", str(tmp_path / "ab")])
     lines = ablate_smollm2.table(
-        [json.loads(line) for line in (tmp_path / "ab" / "results.jsonl").open()], ["rm natural"]
+        [json.loads(line) for line in (tmp_path / "ab" / "results.jsonl").open()], ["rm balanced"]
     ).splitlines()
     assert lines[2].startswith(
-        "| rm natural | `reward.model.path=runs/smollm2/rm_natural` | 0.500 ± 0.000 | 0.500 |"
+        "| rm balanced | `reward.model.path=runs/smollm2/rm_balanced` | 0.500 ± 0.000 | 0.500 |"
     )
     assert lines[2].endswith("| 0.800 | 1.0 |")
