@@ -55,6 +55,7 @@ def lmppo(*args: str) -> subprocess.CompletedProcess:
 
 
 def judge_row(prompt, response: str) -> dict:
+    """judge.py's verdict on one answer (load_function imports the file once and reuses the module)."""
     from lmppo.scoring import load_function
 
     return load_function(f"{EXAMPLE / 'judge.py'}:judge_row", "the SmolLM2 judge")(prompt, response)
@@ -70,8 +71,8 @@ def decided_by(pair: dict) -> str:
 
 
 def rm_report(directories: list[str], pairs_path: Path) -> dict:
-    """Held-out accuracy of each reward model, overall and by slice: ``decided_by`` and ``chosen`` (is
-    the chosen answer the shorter or the longer one, in words)."""
+    """Held-out accuracy of each reward model, overall and by slice: ``decided_by`` and ``chosen_is``
+    (is the chosen answer the shorter or the longer one, in words)."""
     from lmppo.models import load_reward_model, load_tokenizer
     from lmppo.reward_modeling import evaluate_reward_model, load_preference_jsonl
 
