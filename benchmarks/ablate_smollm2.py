@@ -34,6 +34,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "judge 30 steps": (JUDGE, ["run.steps=30"]),  # the example's length before issue 21
     "rm": (RM, []),  # the RM of rm.yaml: all pairs prepare.py --pairs writes
     "rm balanced": (RM, ["reward.model.path=runs/smollm2/rm_balanced"]),  # rm.yaml on the balanced pairs
+    # rm.yaml on prefs_train_contrast.jsonl: natural + correctness-contrast pairs (prepare.py --samples-per-prompt 4)
+    "rm contrast": (RM, ["reward.model.path=runs/smollm2/rm_contrast"]),
 }
 
 

@@ -112,7 +112,7 @@ def test_length_balanced_pairs_leave_brevity_no_signal_per_kind(monkeypatch):
 def test_correctness_contrast_pairs_a_correct_and_an_incorrect_answer_of_about_the_same_length(monkeypatch):
     """prepare.py's contrast pair: the correct response against the incorrect one closest to it in length,
     both judged by judge.py; none when every incorrect one is further than max_gap words away or no
-    response is correct; a correct but repetitive answer the judge ranks lower is never "chosen"."""
+    response is correct; a repetitive response is in none (repetition would decide the pair)."""
     monkeypatch.chdir(ROOT)
     contrast = load_function("examples/smollm2/prepare.py:correctness_contrast")
     judge_row = load_function(f"{JUDGE}:judge_row")
@@ -134,5 +134,7 @@ def test_correctness_contrast_pairs_a_correct_and_an_incorrect_answer_of_about_t
     far = judged("Paris.", "Lyon is a big city in France, not far from the Alps at all.")
     assert contrast(row, far, max_gap=4) is None and contrast(row, far, max_gap=20) is not None
     assert contrast(row, judged("Lyon.", "Marseille.", "Nice."), max_gap=4) is None
-    repetitive = judged("Paris is it, Paris is it, Paris is it.", "Lyon is the capital city.")
-    assert contrast(row, repetitive, max_gap=4) is None  # the judge prefers the incorrect one here
+    repetitive = judged(
+        "Paris is it, Paris is it, Paris is it.", "Lyon is it, Lyon is it, Lyon is it.", "Lyon."
+    )
+    assert contrast(row, repetitive, max_gap=10) is None

@@ -37,7 +37,8 @@ steps:
      With K > 2 also the correctness-contrast pairs: per prompt, a correct response against an
      incorrect one at most --max-words-gap words longer or shorter, so only correctness tells them
      apart. prefs_train_contrast.jsonl holds the natural and contrast training pairs,
-     prefs_test_contrast.jsonl the held-out contrast pairs alone.
+     prefs_test_contrast.jsonl the held-out contrast pairs alone. Every sample with its verdict goes
+     to samples_{train,test}.jsonl.
   4. with --baseline N: sample the base model on N held-out prompts (spread over the kinds,
      temperature 0.7) and print the share meeting the target, mean words, mean reward and EOS rate.
 """
@@ -113,8 +114,8 @@ def ranked_pair(row: dict, a: tuple[str, dict], b: tuple[str, dict], pairing: st
 
 
 def correctness_contrast(row: dict, judged: list[tuple[str, dict]], max_gap: int) -> dict | None:
-    """The pair that can only be told apart by correctness: a correct response against an incorrect one
-    it outranks, the two closest in length (at most ``max_gap`` words apart); None when there is none.
+    """The pair that can only be told apart by correctness: a correct response against an incorrect one,
+    neither repetitive, the two closest in length (at most ``max_gap`` words apart); None when there is none.
 
     Natural pairs are mostly decided by brevity (a correct answer tends to be the short one), so an RM
     trained on them alone learns length; these pairs hold length fixed."""
@@ -122,7 +123,7 @@ def correctness_contrast(row: dict, judged: list[tuple[str, dict]], max_gap: int
         (abs(a[1]["words"] - b[1]["words"]), i, j)
         for i, a in enumerate(judged)
         for j, b in enumerate(judged)
-        if a[1]["correct"] and not b[1]["correct"] and a[1]["reward"] > b[1]["reward"]
+        if a[1]["correct"] and not b[1]["correct"] and not a[1]["repetitive"] and not b[1]["repetitive"]
     ]
     if not candidates or min(candidates)[0] > max_gap:
         return None
@@ -130,9 +131,10 @@ def correctness_contrast(row: dict, judged: list[tuple[str, dict]], max_gap: int
     return ranked_pair(row, judged[i], judged[j], "contrast")
 
 
-def make_pairs(judge, model, tokenizer, rows: list[dict], args) -> tuple[list[dict], list[dict]]:
-    """``args.samples_per_prompt`` responses per prompt, judged: the natural pairs (the first two
-    responses, ranked by the judge's reward) and the correctness-contrast pairs (new ones only)."""
+def make_pairs(judge, model, tokenizer, rows: list[dict], split: str, args) -> tuple[list[dict], list[dict]]:
+    """``args.samples_per_prompt`` responses per prompt, judged (all written to samples_{split}.jsonl): the
+    natural pairs (the first two responses, ranked by the judge's reward) and the correctness-contrast
+    pairs (new ones only)."""
     from lmppo.rollout import HFGenerator
 
     k = args.samples_per_prompt
@@ -140,6 +142,18 @@ def make_pairs(judge, model, tokenizer, rows: list[dict], args) -> tuple[list[di
     prompts = [r["prompt"] for r in rows for _ in range(k)]  # a prompt's samples sit side by side
     texts, _ = sample(generator, prompts, args.batch_size)
     judged = [(t, judge.judge_row(p, t)) for p, t in zip(prompts, texts)]
+    write_jsonl(
+        args.out_dir / f"samples_{split}.jsonl",
+        [{"prompt": p, "response": t} | j for p, (t, j) in zip(prompts, judged)],
+    )
+    # how much the model knows: a prompt it never answers correctly gives PPO nothing to reinforce
+    any_correct = statistics.mean(
+        any(j["correct"] for _, j in judged[k * i : k * (i + 1)]) for i in range(len(rows))
+    )
+    print(
+        f"{split}: correct {statistics.mean(j['correct'] for _, j in judged):.1%} of samples; "
+        f"at least one of {k} correct for {any_correct:.1%} of prompts"
+    )
     natural, contrast = [], []
     for i, row in enumerate(rows):
         group = judged[k * i : k * (i + 1)]
@@ -282,7 +296,7 @@ def main() -> None:
                     rows, args.limit if split == "train" else max(1, args.limit // 4), args.seed
                 )
             print(f"sampling {args.samples_per_prompt * len(rows)} responses for {len(rows)} {split} prompts")
-            pairs, contrast = make_pairs(judge, model, tokenizer, rows, args)
+            pairs, contrast = make_pairs(judge, model, tokenizer, rows, split, args)
             path = args.out_dir / f"prefs_{split}.jsonl"
             write_jsonl(path, pairs)
             if pairs:
