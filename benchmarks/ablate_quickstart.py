@@ -128,7 +128,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"{base} holds no finished quickstart: list the 'default' row first")
         return run(args.work_dir / f"seed{seed}" / row.replace(" ", "_"), seed, [*extra, *ROWS[row]], base)
 
-    print(table(run_rows(args.work_dir, seeds, rows, run_one), rows))
+    print(table(run_rows(args.work_dir, seeds, rows, run_one, args.table_only), rows))
 
 
 if __name__ == "__main__":

@@ -180,7 +180,7 @@ def main(argv=None) -> None:
         config, overrides = ROWS[row]
         return run(args.work_dir / f"seed{seed}" / row.replace(" ", "_"), seed, config, [*extra, *overrides])
 
-    print(table(run_rows(args.work_dir, seeds, rows, run_one), rows))
+    print(table(run_rows(args.work_dir, seeds, rows, run_one, args.table_only), rows))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,11 @@ def parser(doc: str, rows: Sequence[str], default_rows: str, work_dir: Path) -> 
     p.add_argument("--rows", default=default_rows, help=f"comma-separated, of: {', '.join(rows)}")
     p.add_argument("--work-dir", type=Path, default=work_dir)
     p.add_argument("--extra", default="", help="overrides added to every row (space-separated)")
+    p.add_argument(
+        "--table-only",
+        action="store_true",
+        help="print the table of the runs already in results.jsonl; run none",
+    )
     return p
 
 
@@ -44,16 +49,21 @@ def mean_std(values: Sequence[float], digits: int) -> str:
 
 
 def run_rows(
-    work_dir: Path, seeds: Sequence[int], rows: Sequence[str], run_one: Callable[[str, int], dict]
+    work_dir: Path,
+    seeds: Sequence[int],
+    rows: Sequence[str],
+    run_one: Callable[[str, int], dict],
+    table_only: bool = False,
 ) -> list[dict]:
-    """Every (row, seed) not yet in ``work_dir/results.jsonl``, seed by seed; all results of these seeds."""
+    """Every (row, seed) not yet in ``work_dir/results.jsonl`` (none with ``table_only``), seed by seed; all
+    results of these seeds."""
     work_dir.mkdir(parents=True, exist_ok=True)
     results_file = work_dir / "results.jsonl"
     results = [json.loads(line) for line in results_file.open()] if results_file.is_file() else []
     done = {(r["row"], r["seed"]) for r in results}
     for seed in seeds:
         for row in rows:
-            if (row, seed) in done:
+            if (row, seed) in done or table_only:
                 continue
             result = {"row": row, "seed": seed, **run_one(row, seed)}
             results.append(result)

@@ -127,9 +127,10 @@ def test_bench_gpu_runs_on_cpu_too(tmp_path):
     assert result["step_s"] > 0 and result["peak_mb"] > 0 and abs(result["plan_error"]) < 0.25
 
 
-def test_ablation_resumes_from_its_results_and_reports_aborted_seeds(tmp_path, monkeypatch):
+def test_ablation_resumes_from_its_results_and_reports_aborted_seeds(tmp_path, monkeypatch, capsys):
     """benchmarks/ablate_quickstart.py with its quickstarts faked: each row reuses its seed's 'default'
-    run, rows already in results.jsonl are not run again, and a run a guard stopped is named."""
+    run, rows already in results.jsonl are not run again (--table-only runs none), and a run a guard
+    stopped is named."""
     sys.path.insert(0, str(BENCH.parent))
     import ablate_quickstart
 
@@ -152,6 +153,8 @@ def test_ablation_resumes_from_its_results_and_reports_aborted_seeds(tmp_path, m
     calls.clear()
     ablate_quickstart.main(args)  # everything is in results.jsonl already
     assert calls == []
+    ablate_quickstart.main([*args[2:], "--seeds", "0,1,2", "--table-only"])  # seed 2 is missing: not run
+    assert calls == [] and "| default | `—` | 2.050 ± 0.071 |" in capsys.readouterr().out
     rows = ablate_quickstart.table(
         [json.loads(line) for line in (tmp_path / "results.jsonl").open()], ["default", "ptx 0.1"]
     ).splitlines()
