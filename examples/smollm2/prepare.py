@@ -40,7 +40,9 @@ steps:
      prefs_test_contrast.jsonl the held-out contrast pairs alone. Every sample with its verdict goes
      to samples_{train,test}.jsonl.
   4. with --baseline N: sample the base model on N held-out prompts (spread over the kinds,
-     temperature 0.7) and print the share meeting the target, mean words, mean reward and EOS rate.
+     temperature 0.7; --baseline-samples K times each) and print the share meeting the target, mean
+     words, mean reward and EOS rate; with K > 1 also the share of prompts answered correctly at least
+     once in K samples, the answers PPO can make the model give more reliably.
 """
 
 
@@ -203,8 +205,9 @@ def baseline(judge, model, tokenizer, rows: list[dict], args) -> None:
     from lmppo.rollout import HFGenerator
 
     picked = spread_over_kinds(rows, args.baseline, args.seed)
+    k = args.baseline_samples
     generator = HFGenerator(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=0.7)
-    prompts = [r["prompt"] for r in picked]
+    prompts = [r["prompt"] for r in picked for _ in range(k)]  # a prompt's samples side by side
     texts, eos = sample(generator, prompts, args.batch_size)
     judged = [
         judge.judge_row(p, t) | {"prompt": p, "response": t, "eos": e} for p, t, e in zip(prompts, texts, eos)
@@ -214,17 +217,22 @@ def baseline(judge, model, tokenizer, rows: list[dict], args) -> None:
     def mean(key, rs=judged):
         return statistics.mean(float(r[key]) for r in rs)
 
+    def known(rs=judged):  # prompts with a correct answer among their k samples: what PPO can sharpen
+        return statistics.mean(any(r["correct"] for r in rs[i : i + k]) for i in range(0, len(rs), k))
+
     print(
-        f"base model on {len(judged)} held-out prompts (max_new_tokens={args.max_new_tokens}, temperature 0.7, "
-        f"seed {args.seed}): meets target {mean('meets_target'):.1%}, correct {mean('correct'):.1%}, "
+        f"base model on {len(picked)} held-out prompts x {k} samples (max_new_tokens={args.max_new_tokens}, "
+        f"temperature 0.7, seed {args.seed}): meets target {mean('meets_target'):.1%}, correct {mean('correct'):.1%}, "
         f"brief {mean('brief'):.1%}, repetitive {mean('repetitive'):.1%}, mean words {mean('words'):.1f}, "
         f"mean reward {mean('reward'):.2f}, EOS rate {mean('eos'):.1%}"
+        + (f"; correct in at least one of {k} samples: {known():.1%} of prompts" if k > 1 else "")
     )
     for kind in dict.fromkeys(r["kind"] for r in judged):
         group = [r for r in judged if r["kind"] == kind]
         print(
-            f"  {kind:13s} n={len(group):2d} meets {mean('meets_target', group):.2f} correct "
+            f"  {kind:13s} n={len(group) // k:2d} meets {mean('meets_target', group):.2f} correct "
             f"{mean('correct', group):.2f} words {mean('words', group):5.1f}"
+            + (f" at least one of {k} correct {known(group):.2f}" if k > 1 else "")
         )
     print(f"rows written to {args.out_dir / 'baseline.jsonl'}")
 
@@ -240,6 +248,14 @@ def main() -> None:
         default=0,
         metavar="N",
         help="also measure the base model on N held-out prompts (step 4)",
+    )
+    parser.add_argument(
+        "--baseline-samples",
+        type=int,
+        default=1,
+        metavar="K",
+        help="samples per prompt for --baseline (default 1); K > 1 also reports how many prompts get a "
+        "correct answer in at least one of K",
     )
     parser.add_argument(
         "--limit",
@@ -277,6 +293,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.samples_per_prompt < 2:
         parser.error(f"--samples-per-prompt must be at least 2 (a pair), got {args.samples_per_prompt}")
+    if args.baseline_samples < 1:
+        parser.error(f"--baseline-samples must be at least 1, got {args.baseline_samples}")
 
     judge = load_judge()
     write_prompts(judge)
