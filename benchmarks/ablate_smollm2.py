@@ -32,10 +32,10 @@ JUDGE, RM = "ppo_judge.yaml", "ppo_rm.yaml"
 ROWS: dict[str, tuple[str, list[str]]] = {
     "judge": (JUDGE, []),
     "judge 30 steps": (JUDGE, ["run.steps=30"]),  # the example's length before issue 21
-    "rm": (RM, []),  # the RM of rm.yaml: all pairs prepare.py --pairs writes
-    "rm balanced": (RM, ["reward.model.path=runs/smollm2/rm_balanced"]),  # rm.yaml on the balanced pairs
-    # rm.yaml on prefs_train_contrast.jsonl: natural + correctness-contrast pairs (prepare.py --samples-per-prompt 4)
-    "rm contrast": (RM, ["reward.model.path=runs/smollm2/rm_contrast"]),
+    "rm": (RM, []),  # the RM of rm.yaml: natural + correctness-contrast pairs (prepare.py --pairs)
+    # rm.yaml on the natural pairs alone (prepare.py --pairs --samples-per-prompt 2), and on their length-balanced part
+    "rm natural": (RM, ["reward.model.path=runs/smollm2/rm_natural"]),
+    "rm balanced": (RM, ["reward.model.path=runs/smollm2/rm_balanced"]),
 }
 
 

