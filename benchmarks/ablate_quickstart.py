@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from ablation import markdown_table, parser, run_rows, seeds_and_rows
+from ablation import markdown_table, minimum, parser, run_rows, seeds_and_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PERFECT_GOLD = 2.7
@@ -103,7 +103,7 @@ def run(out: Path, seed: int, overrides: list[str], models_from: Path | None) ->
 COLUMNS = [
     ("gold PPO", "gold_ppo", 3),
     ("gap closed", "gap_closed", 2),
-    ("min gap closed", lambda runs: f"{min(r['gap_closed'] for r in runs):.2f}", 2),
+    ("min gap closed", minimum("gap_closed", 2), 2),
     ("win rate", "win_rate", 2),
     ("KL", "kl", 1),
     ("ppl ×", "ppl_ratio", 2),

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from ablation import markdown_table, parser, run_rows, seeds_and_rows
+from ablation import markdown_table, minimum, parser, run_rows, seeds_and_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "smollm2"
@@ -151,7 +151,7 @@ def figures(out: Path) -> dict:
 
 COLUMNS = [
     ("meets", "meets", 3),
-    ("min meets", lambda runs: f"{min(r['meets'] for r in runs):.3f}", 3),
+    ("min meets", minimum("meets", 3), 3),
     ("correct", "correct", 2),
     ("brief", "brief", 2),
     ("length", "length", 1),

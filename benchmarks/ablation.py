@@ -42,6 +42,11 @@ def seeds_and_rows(args: argparse.Namespace, rows: Sequence[str]) -> tuple[list[
     return [int(s) for s in args.seeds.split(",")], chosen
 
 
+def minimum(key: str, digits: int) -> Callable[[list[dict]], str]:
+    """A column cell: the lowest value of ``key`` over the row's seeds (the worst seed)."""
+    return lambda runs: f"{min(r[key] for r in runs):.{digits}f}"
+
+
 def mean_std(values: Sequence[float], digits: int) -> str:
     mean = statistics.fmean(values)
     spread = statistics.stdev(values) if len(values) > 1 else 0.0

@@ -138,3 +138,12 @@ def test_correctness_contrast_pairs_a_correct_and_an_incorrect_answer_of_about_t
         "Paris is it, Paris is it, Paris is it.", "Lyon is it, Lyon is it, Lyon is it.", "Lyon."
     )
     assert contrast(row, repetitive, max_gap=10) is None
+
+
+def test_answered_at_least_once_counts_prompts_not_samples(monkeypatch):
+    """prepare.py's knowledge measure: a prompt counts once if any of its k side-by-side samples is correct."""
+    monkeypatch.chdir(ROOT)
+    answered = load_function("examples/smollm2/prepare.py:answered_at_least_once")
+    verdicts = [{"correct": c} for c in (False, True, False, False, True, True)]
+    assert answered(verdicts, 2) == pytest.approx(2 / 3)  # (F, T) (F, F) (T, T)
+    assert answered(verdicts, 3) == 1.0 and answered(verdicts, 1) == 0.5

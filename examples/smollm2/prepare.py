@@ -99,6 +99,13 @@ def sample(generator, prompts: list, batch_size: int) -> tuple[list[str], list[b
     return texts, eos
 
 
+def answered_at_least_once(verdicts: list[dict], k: int) -> float:
+    """The share of prompts with a correct answer among their k samples (judge_row verdicts, a prompt's k
+    side by side): how much the model knows. A prompt it never answers correctly gives PPO nothing to
+    reinforce."""
+    return statistics.mean(any(v["correct"] for v in verdicts[i : i + k]) for i in range(0, len(verdicts), k))
+
+
 def ranked_pair(row: dict, a: tuple[str, dict], b: tuple[str, dict], pairing: str) -> dict | None:
     """A preference row from two judged responses (text, judge_row): the higher reward is chosen; None on a tie."""
     if a[1]["reward"] == b[1]["reward"]:
@@ -148,13 +155,10 @@ def make_pairs(judge, model, tokenizer, rows: list[dict], split: str, args) -> t
         args.out_dir / f"samples_{split}.jsonl",
         [{"prompt": p, "response": t} | j for p, (t, j) in zip(prompts, judged)],
     )
-    # how much the model knows: a prompt it never answers correctly gives PPO nothing to reinforce
-    any_correct = statistics.mean(
-        any(j["correct"] for _, j in judged[k * i : k * (i + 1)]) for i in range(len(rows))
-    )
+    verdicts = [j for _, j in judged]
     print(
-        f"{split}: correct {statistics.mean(j['correct'] for _, j in judged):.1%} of samples; "
-        f"at least one of {k} correct for {any_correct:.1%} of prompts"
+        f"{split}: correct {statistics.mean(j['correct'] for j in verdicts):.1%} of samples; "
+        f"at least one of {k} correct for {answered_at_least_once(verdicts, k):.1%} of prompts"
     )
     natural, contrast = [], []
     for i, row in enumerate(rows):
@@ -217,22 +221,23 @@ def baseline(judge, model, tokenizer, rows: list[dict], args) -> None:
     def mean(key, rs=judged):
         return statistics.mean(float(r[key]) for r in rs)
 
-    def known(rs=judged):  # prompts with a correct answer among their k samples: what PPO can sharpen
-        return statistics.mean(any(r["correct"] for r in rs[i : i + k]) for i in range(0, len(rs), k))
-
     print(
         f"base model on {len(picked)} held-out prompts x {k} samples (max_new_tokens={args.max_new_tokens}, "
         f"temperature 0.7, seed {args.seed}): meets target {mean('meets_target'):.1%}, correct {mean('correct'):.1%}, "
         f"brief {mean('brief'):.1%}, repetitive {mean('repetitive'):.1%}, mean words {mean('words'):.1f}, "
         f"mean reward {mean('reward'):.2f}, EOS rate {mean('eos'):.1%}"
-        + (f"; correct in at least one of {k} samples: {known():.1%} of prompts" if k > 1 else "")
+        + (
+            f"; correct in at least one of {k} samples: {answered_at_least_once(judged, k):.1%} of prompts"
+            if k > 1
+            else ""
+        )
     )
     for kind in dict.fromkeys(r["kind"] for r in judged):
         group = [r for r in judged if r["kind"] == kind]
         print(
             f"  {kind:13s} n={len(group) // k:2d} meets {mean('meets_target', group):.2f} correct "
             f"{mean('correct', group):.2f} words {mean('words', group):5.1f}"
-            + (f" at least one of {k} correct {known(group):.2f}" if k > 1 else "")
+            + (f" at least one of {k} correct {answered_at_least_once(group, k):.2f}" if k > 1 else "")
         )
     print(f"rows written to {args.out_dir / 'baseline.jsonl'}")
 
