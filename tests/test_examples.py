@@ -147,3 +147,19 @@ def test_answered_at_least_once_counts_prompts_not_samples(monkeypatch):
     verdicts = [{"correct": c} for c in (False, True, False, False, True, True)]
     assert answered(verdicts, 2) == pytest.approx(2 / 3)  # (F, T) (F, F) (T, T)
     assert answered(verdicts, 3) == 1.0 and answered(verdicts, 1) == 0.5
+
+
+def test_answered_by_majority_needs_correct_to_outnumber_each_wrong_answer(monkeypatch):
+    """prepare.py's sharpening measure: accepted forms pool, wrong answers count one by one, no answer is left out."""
+    monkeypatch.chdir(ROOT)
+    majority = load_function("examples/smollm2/prepare.py:answered_by_majority")
+
+    def v(found, correct=False):
+        return {"found": found, "correct": correct}
+
+    sure = [v("Paris", True), v("paris", True), v("Lyon"), v(None)]
+    split = [v("Paris", True), v("Lyon"), v("lyon"), v("Nice")]  # one correct, the wrong ones agree
+    scattered = [v("Paris", True), v("paris", True), v("Lyon"), v("Nice")]  # half the samples, more than each wrong one
+    tie = [v("Paris", True), v("Lyon"), v(None), v(None)]
+    assert majority(sure + split, 4) == 0.5
+    assert majority(scattered, 4) == 1.0 and majority(tie, 4) == 0.0

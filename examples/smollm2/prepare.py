@@ -12,6 +12,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -42,7 +43,9 @@ steps:
   4. with --baseline N: sample the base model on N held-out prompts (spread over the kinds,
      temperature 0.7; --baseline-samples K times each) and print the share meeting the target, mean
      words, mean reward and EOS rate; with K > 1 also the share of prompts answered correctly at least
-     once in K samples, the answers PPO can make the model give more reliably.
+     once in K samples, the answers PPO can make the model give more reliably, and by majority (the
+     correct answer given more often than any one wrong answer), where sharpening alone lands.
+     --policy DIR samples a trained model instead (a PPO run's final/); rows go to OUT_DIR/baseline.jsonl.
 """
 
 
@@ -104,6 +107,19 @@ def answered_at_least_once(verdicts: list[dict], k: int) -> float:
     side by side): how much the model knows. A prompt it never answers correctly gives PPO nothing to
     reinforce."""
     return statistics.mean(any(v["correct"] for v in verdicts[i : i + k]) for i in range(0, len(verdicts), k))
+
+
+def answered_by_majority(verdicts: list[dict], k: int) -> float:
+    """The share of prompts whose correct answers outnumber every single wrong answer among their k samples
+    (judge_row verdicts side by side; all accepted forms count as one answer, samples that give none are
+    left out): what the model says when it is sure. PPO that only sharpens the model's own answer
+    distribution, learning no new facts, lands here."""
+
+    def majority_correct(group: list[dict]) -> bool:
+        wrong = Counter(v["found"].lower() for v in group if v["found"] is not None and not v["correct"])
+        return sum(v["correct"] for v in group) > max(wrong.values(), default=0)
+
+    return statistics.mean(majority_correct(verdicts[i : i + k]) for i in range(0, len(verdicts), k))
 
 
 def ranked_pair(row: dict, a: tuple[str, dict], b: tuple[str, dict], pairing: str) -> dict | None:
@@ -222,12 +238,13 @@ def baseline(judge, model, tokenizer, rows: list[dict], args) -> None:
         return statistics.mean(float(r[key]) for r in rs)
 
     print(
-        f"base model on {len(picked)} held-out prompts x {k} samples (max_new_tokens={args.max_new_tokens}, "
+        f"{args.policy or 'base model'} on {len(picked)} held-out prompts x {k} samples (max_new_tokens={args.max_new_tokens}, "
         f"temperature 0.7, seed {args.seed}): meets target {mean('meets_target'):.1%}, correct {mean('correct'):.1%}, "
         f"brief {mean('brief'):.1%}, repetitive {mean('repetitive'):.1%}, mean words {mean('words'):.1f}, "
         f"mean reward {mean('reward'):.2f}, EOS rate {mean('eos'):.1%}"
         + (
-            f"; correct in at least one of {k} samples: {answered_at_least_once(judged, k):.1%} of prompts"
+            f"; correct in at least one of {k} samples: {answered_at_least_once(judged, k):.1%} of prompts, "
+            f"by majority: {answered_by_majority(judged, k):.1%}"
             if k > 1
             else ""
         )
@@ -237,7 +254,12 @@ def baseline(judge, model, tokenizer, rows: list[dict], args) -> None:
         print(
             f"  {kind:13s} n={len(group) // k:2d} meets {mean('meets_target', group):.2f} correct "
             f"{mean('correct', group):.2f} words {mean('words', group):5.1f}"
-            + (f" at least one of {k} correct {answered_at_least_once(group, k):.2f}" if k > 1 else "")
+            + (
+                f" at least one of {k} correct {answered_at_least_once(group, k):.2f}, "
+                f"by majority {answered_by_majority(group, k):.2f}"
+                if k > 1
+                else ""
+            )
         )
     print(f"rows written to {args.out_dir / 'baseline.jsonl'}")
 
@@ -261,6 +283,13 @@ def main() -> None:
         metavar="K",
         help="samples per prompt for --baseline (default 1); K > 1 also reports how many prompts get a "
         "correct answer in at least one of K",
+    )
+    parser.add_argument(
+        "--policy",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="--baseline samples this model instead of the base model, e.g. a PPO run's final/",
     )
     parser.add_argument(
         "--limit",
@@ -342,6 +371,8 @@ def main() -> None:
                 print(f"{split}: {len(contrast)} correctness-contrast pairs -> {path}")
     if args.baseline:
         torch.manual_seed(args.seed)
+        if args.policy is not None:  # a trained policy instead of the base model, same prompts and seed
+            model = load_causal_lm(args.policy)
         baseline(judge, model, tokenizer, judge.prompt_rows("test"), args)
 
 
