@@ -159,7 +159,7 @@ def test_answered_by_majority_needs_correct_to_outnumber_each_wrong_answer(monke
 
     sure = [v("Paris", True), v("paris", True), v("Lyon"), v(None)]
     split = [v("Paris", True), v("Lyon"), v("lyon"), v("Nice")]  # one correct, the wrong ones agree
-    scattered = [v("Paris", True), v("paris", True), v("Lyon"), v("Nice")]  # half the samples, more than each wrong one
+    scattered = [v("Paris", True), v("paris", True), v("Lyon"), v("Nice")]  # 2 of 4, more than each wrong
     tie = [v("Paris", True), v("Lyon"), v(None), v(None)]
     assert majority(sure + split, 4) == 0.5
     assert majority(scattered, 4) == 1.0 and majority(tie, 4) == 0.0
