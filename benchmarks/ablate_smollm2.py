@@ -31,10 +31,8 @@ JUDGE, RM = "ppo_judge.yaml", "ppo_rm.yaml"
 # row -> (config in examples/smollm2/, overrides)
 ROWS: dict[str, tuple[str, list[str]]] = {
     "judge": (JUDGE, []),
-    "judge 30 steps": (JUDGE, ["run.steps=30"]),  # the example's length before issue 21
-    "judge beta 0.02": (JUDGE, ["kl.beta=0.02"]),
-    "judge lr 2e-4": (JUDGE, ["ppo.lr=2.0e-4"]),
-    "judge batch 32": (JUDGE, ["rollout.batch_size=32"]),
+    "judge 30 steps": (JUDGE, ["run.steps=30", "kl.beta=0.05"]),  # the example before issue 21
+    "judge beta 0.05": (JUDGE, ["kl.beta=0.05"]),  # the example's KL coefficient before kl.beta=0.02
     "rm": (RM, []),  # the RM of rm.yaml: natural + correctness-contrast pairs (prepare.py --pairs)
     # rm.yaml on the natural pairs alone (prepare.py --pairs --samples-per-prompt 2), and on their length-balanced part
     "rm natural": (RM, ["reward.model.path=runs/smollm2/rm_natural"]),
