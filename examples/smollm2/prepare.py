@@ -102,11 +102,16 @@ def sample(generator, prompts: list, batch_size: int) -> tuple[list[str], list[b
     return texts, eos
 
 
+def share_of_prompts(verdicts: list[dict], k: int, counts) -> float:
+    """The share of prompts for which ``counts(group)`` holds, a group being a prompt's k judge_row verdicts
+    side by side."""
+    return statistics.mean(counts(verdicts[i : i + k]) for i in range(0, len(verdicts), k))
+
+
 def answered_at_least_once(verdicts: list[dict], k: int) -> float:
-    """The share of prompts with a correct answer among their k samples (judge_row verdicts, a prompt's k
-    side by side): how much the model knows. A prompt it never answers correctly gives PPO nothing to
-    reinforce."""
-    return statistics.mean(any(v["correct"] for v in verdicts[i : i + k]) for i in range(0, len(verdicts), k))
+    """The share of prompts with a correct answer among their k samples: how much the model knows. A prompt
+    it never answers correctly gives PPO nothing to reinforce."""
+    return share_of_prompts(verdicts, k, lambda group: any(v["correct"] for v in group))
 
 
 def answered_by_majority(verdicts: list[dict], k: int) -> float:
@@ -119,7 +124,7 @@ def answered_by_majority(verdicts: list[dict], k: int) -> float:
         wrong = Counter(v["found"].lower() for v in group if v["found"] is not None and not v["correct"])
         return sum(v["correct"] for v in group) > max(wrong.values(), default=0)
 
-    return statistics.mean(majority_correct(verdicts[i : i + k]) for i in range(0, len(verdicts), k))
+    return share_of_prompts(verdicts, k, majority_correct)
 
 
 def ranked_pair(row: dict, a: tuple[str, dict], b: tuple[str, dict], pairing: str) -> dict | None:
@@ -329,6 +334,11 @@ def main() -> None:
         parser.error(f"--samples-per-prompt must be at least 2 (a pair), got {args.samples_per_prompt}")
     if args.baseline_samples < 1:
         parser.error(f"--baseline-samples must be at least 1, got {args.baseline_samples}")
+    if args.policy is not None and not (args.baseline and (args.policy / "config.json").is_file()):
+        parser.error(
+            f"--policy {args.policy}: needs --baseline N and a transformers model directory (with config.json), "
+            "e.g. runs/smollm2/ppo_judge/final"
+        )
 
     judge = load_judge()
     write_prompts(judge)
@@ -338,8 +348,9 @@ def main() -> None:
 
     import torch
 
-    model, tokenizer = load_causal_lm(directory), load_tokenizer(directory)
+    tokenizer = load_tokenizer(directory)
     if args.pairs:
+        model = load_causal_lm(directory)
         torch.manual_seed(args.seed)
         for split in ("train", "test"):
             rows = judge.prompt_rows(split)
@@ -370,9 +381,8 @@ def main() -> None:
                 write_jsonl(path, pairs + contrast if split == "train" else contrast)
                 print(f"{split}: {len(contrast)} correctness-contrast pairs -> {path}")
     if args.baseline:
-        torch.manual_seed(args.seed)
-        if args.policy is not None:  # a trained policy instead of the base model, same prompts and seed
-            model = load_causal_lm(args.policy)
+        torch.manual_seed(args.seed)  # a trained policy (--policy) gets the same prompts and seed
+        model = load_causal_lm(args.policy or directory)
         baseline(judge, model, tokenizer, judge.prompt_rows("test"), args)
 
 
