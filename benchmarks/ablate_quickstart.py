@@ -25,6 +25,13 @@ from ablation import markdown_table, minimum, parser, run_rows, seeds_and_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PERFECT_GOLD = 2.7
+BASE = "{base}"  # in a row's overrides: that seed's base quickstart, where prepare() writes what rows need
+CLEAN_DEMOS = f"{BASE}/sft_train_clean.jsonl"  # the SFT demonstrations the gold judge rates correct and ended
+ENSEMBLE = [
+    f"{BASE}/rm",
+    f"{BASE}/rm_1",
+    f"{BASE}/rm_2",
+]  # the default RM and two more (other head init, order)
 
 E4 = ["ppo.ppo_epochs=4"]  # the defaults before issue 21; the first round of rows varied one setting on them
 ROWS: dict[str, list[str]] = {
@@ -55,11 +62,65 @@ ROWS: dict[str, list[str]] = {
     "lr 2e-4 + 60 steps": ["ppo.lr=2e-4", "run.steps=60", "run.eval_every=20"],
     "lr 2e-4 + 80 steps": ["ppo.lr=2e-4", "run.steps=80", "run.eval_every=20"],
     "one minibatch of 32 + 60 steps": ["ppo.minibatch_size=32", "run.steps=60", "run.eval_every=20"],
+    "rollout batch 64": ["rollout.batch_size=64", "ppo.minibatch_size=32"],
+    "clean ptx 0.05": ["ppo.ptx_coef=0.05", f"data.ptx_demonstrations={CLEAN_DEMOS}"],
+    "clean ptx 0.1": ["ppo.ptx_coef=0.1", f"data.ptx_demonstrations={CLEAN_DEMOS}"],
+    "mean of 3 RMs": [
+        "reward.model=null",
+        "reward.batch_size=16",  # the default: with components, each sets its own
+        "reward.components=["
+        + ", ".join(
+            f"{{name: rm{k}, model: {{path: {p}}}, weight: {1 / 3}, batch_size: 64}}"
+            for k, p in enumerate(ENSEMBLE)
+        )
+        + "]",
+    ],
 }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     return parser(__doc__, ROWS, ",".join(ROWS), ROOT / "runs" / "ablation").parse_args(argv)
+
+
+def prepare(base: Path, seed: int, overrides: list[str]) -> list[str]:
+    """What a row's overrides name in the seed's base quickstart, made once: the clean demonstrations, the
+    extra reward models. Returns the overrides with ``{base}`` filled in."""
+    from lmppo.data import read_jsonl
+    from lmppo.toy.task import gold_score
+
+    joined = " ".join(overrides)
+    clean = Path(CLEAN_DEMOS.replace(BASE, str(base)))
+    if CLEAN_DEMOS in joined and not clean.is_file():
+        rows = [
+            r
+            for r in read_jsonl(base / "world" / "data" / "sft_train.jsonl")
+            if gold_score(r["prompt"], r["response"]) >= 2.0
+        ]
+        clean.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for k, path in enumerate(ENSEMBLE[1:], start=1):
+        if path in joined and not Path(path.replace(BASE, str(base))).is_dir():
+            train_another_reward_model(base, seed + 1000 * k, Path(path.replace(BASE, str(base))))
+    return [override.replace(BASE, str(base)) for override in overrides]
+
+
+def train_another_reward_model(base: Path, seed: int, out: Path) -> None:
+    """The quickstart's RM stage again on the same SFT transformer and pairs, with another seed."""
+    from lmppo.data import read_jsonl
+    from lmppo.models import load_causal_lm, load_tokenizer
+    from lmppo.quickstart import quickstart_config
+    from lmppo.reward_modeling import train_reward_model
+    from lmppo.toy.models import load_toy_world, reward_model_from_policy
+
+    world = load_toy_world(base / "world")
+    stage = quickstart_config(base, base, world, []).reward_model
+    tokenizer = load_tokenizer(world.reward_tokenizer_dir)
+    rm = reward_model_from_policy(load_causal_lm(base / "sft"), tokenizer, seed=seed)
+    pairs = read_jsonl(world.data["prefs_train"])
+    train_reward_model(
+        rm, tokenizer, pairs, epochs=stage.epochs, lr=stage.lr, batch_size=stage.batch_size, seed=seed
+    )
+    rm.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def run(out: Path, seed: int, overrides: list[str], models_from: Path | None) -> dict:
@@ -126,7 +187,8 @@ def main(argv=None) -> None:
             return run(base, seed, [*extra, *ROWS[row]], None)
         if not (base / "ppo" / "quickstart.json").is_file():
             raise SystemExit(f"{base} holds no finished quickstart: list the 'default' row first")
-        return run(args.work_dir / f"seed{seed}" / row.replace(" ", "_"), seed, [*extra, *ROWS[row]], base)
+        overrides = prepare(base, seed, [*extra, *ROWS[row]])
+        return run(args.work_dir / f"seed{seed}" / row.replace(" ", "_"), seed, overrides, base)
 
     print(table(run_rows(args.work_dir, seeds, rows, run_one, args.table_only), rows))
 

@@ -207,3 +207,23 @@ def test_smollm2_ablation_judges_each_answer_and_reads_the_runs_own_evaluations(
         "| rm balanced | `reward.model.path=runs/smollm2/rm_balanced` | 0.500 ± 0.000 | 0.500 |"
     )
     assert lines[2].endswith("| 0.800 | 1.0 |")
+
+
+def test_ablation_rows_get_what_they_name_in_the_seeds_base_run(tmp_path):
+    """A 'clean ptx' row: prepare() writes into the seed's base quickstart the demonstrations the gold judge
+    rates correct and ended, and fills in their path; a row that names nothing there is left as is."""
+    sys.path.insert(0, str(BENCH.parent))
+    import ablate_quickstart
+
+    base = tmp_path / "base"
+    (base / "world" / "data").mkdir(parents=True)
+    prompt = [{"role": "user", "content": "count to 3"}]
+    responses = ["1 2 3.", "1 2 3", "1 2.", "sure! 1 2 3."]  # gold 2.0, 1.5 (no period), 1.33 (wrong), 2.4
+    demos = "".join(json.dumps({"prompt": prompt, "response": r}) + "\n" for r in responses)
+    (base / "world" / "data" / "sft_train.jsonl").write_text(demos)
+
+    overrides = ablate_quickstart.prepare(base, 0, ablate_quickstart.ROWS["clean ptx 0.1"])
+    clean = base / "sft_train_clean.jsonl"
+    assert overrides == ["ppo.ptx_coef=0.1", f"data.ptx_demonstrations={clean}"]
+    assert [json.loads(line)["response"] for line in clean.open()] == ["1 2 3.", "sure! 1 2 3."]
+    assert ablate_quickstart.prepare(base, 0, ["kl.beta=0.6"]) == ["kl.beta=0.6"]
