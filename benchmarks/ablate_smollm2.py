@@ -34,6 +34,7 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "judge 30 steps": (JUDGE, ["run.steps=30", "kl.beta=0.05"]),  # the example before issue 21
     "judge beta 0.05": (JUDGE, ["run.steps=60", "kl.beta=0.05"]),  # the example's KL coefficient before 0.02
     "judge 60 steps": (JUDGE, ["run.steps=60"]),  # the example's length before 120 steps
+    "judge lr 2e-4": (JUDGE, ["ppo.lr=2e-4"]),
     "rm": (RM, []),  # the RM of rm.yaml: natural + correctness-contrast pairs (prepare.py --pairs)
     # rm.yaml on the natural pairs alone (prepare.py --pairs --samples-per-prompt 2), and on their length-balanced part
     "rm natural": (RM, ["reward.model.path=runs/smollm2/rm_natural"]),
