@@ -105,22 +105,13 @@ def prepare(base: Path, seed: int, overrides: list[str]) -> list[str]:
 
 def train_another_reward_model(base: Path, seed: int, out: Path) -> None:
     """The quickstart's RM stage again on the same SFT transformer and pairs, with another seed."""
-    from lmppo.data import read_jsonl
-    from lmppo.models import load_causal_lm, load_tokenizer
-    from lmppo.quickstart import quickstart_config
-    from lmppo.reward_modeling import train_reward_model
-    from lmppo.toy.models import load_toy_world, reward_model_from_policy
+    from lmppo.models import load_causal_lm
+    from lmppo.quickstart import quickstart_config, train_toy_reward_model
+    from lmppo.toy.models import load_toy_world
 
     world = load_toy_world(base / "world")
     stage = quickstart_config(base, base, world, []).reward_model
-    tokenizer = load_tokenizer(world.reward_tokenizer_dir)
-    rm = reward_model_from_policy(load_causal_lm(base / "sft"), tokenizer, seed=seed)
-    pairs = read_jsonl(world.data["prefs_train"])
-    train_reward_model(
-        rm, tokenizer, pairs, epochs=stage.epochs, lr=stage.lr, batch_size=stage.batch_size, seed=seed
-    )
-    rm.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    train_toy_reward_model(load_causal_lm(base / "sft"), world, stage, seed, out)
 
 
 def run(out: Path, seed: int, overrides: list[str], models_from: Path | None) -> dict:

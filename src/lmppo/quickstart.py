@@ -19,7 +19,7 @@ import yaml
 from rich.console import Console
 
 from lmppo.build import PPOModels, generator_options, load_reward
-from lmppo.config import QuickstartConfig, apply_override, validate_config
+from lmppo.config import QuickstartConfig, TrainingStage, apply_override, validate_config
 from lmppo.data import read_jsonl
 from lmppo.errors import GuardAbort, LmppoError
 from lmppo.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table, write_eval_json
@@ -76,24 +76,28 @@ def train_sft_and_reward_model(out_dir: Path, world: ToyWorld, cfg: QuickstartCo
     console.print(f"[2/6] SFT: {sft['steps']} steps, final loss {sft['loss'][-1]:.3f}, {sft['time_s']:.0f} s")
 
     with console.status("[3/6] reward model: Bradley-Terry on preference pairs, from the SFT transformer"):
-        rm_tokenizer = load_tokenizer(world.reward_tokenizer_dir)
-        rm = reward_model_from_policy(policy, rm_tokenizer, seed=seed)
-        rm_stats = train_reward_model(
-            rm,
-            rm_tokenizer,
-            read_jsonl(world.data["prefs_train"]),
-            epochs=cfg.reward_model.epochs,
-            lr=cfg.reward_model.lr,
-            batch_size=cfg.reward_model.batch_size,
-            seed=seed,
+        rm, rm_tokenizer, rm_stats = train_toy_reward_model(
+            policy, world, cfg.reward_model, seed, out_dir / "rm"
         )
         rm_eval = evaluate_reward_model(rm, rm_tokenizer, read_jsonl(world.data["prefs_test"]))
-        rm.save_pretrained(out_dir / "rm")
-        rm_tokenizer.save_pretrained(out_dir / "rm")
     console.print(
         f"[3/6] reward model: held-out accuracy {rm_eval['accuracy']:.3f} ({rm_stats['time_s']:.0f} s)"
     )
     return rm_eval
+
+
+def train_toy_reward_model(policy, world: ToyWorld, stage: TrainingStage, seed: int, out: Path):
+    """The reward model stage: the policy's transformer with a new score head (``seed``), trained on the
+    world's preference pairs and saved to ``out``; returns the model, its tokenizer and the training stats."""
+    rm_tokenizer = load_tokenizer(world.reward_tokenizer_dir)
+    rm = reward_model_from_policy(policy, rm_tokenizer, seed=seed)
+    pairs = read_jsonl(world.data["prefs_train"])
+    stats = train_reward_model(
+        rm, rm_tokenizer, pairs, epochs=stage.epochs, lr=stage.lr, batch_size=stage.batch_size, seed=seed
+    )
+    rm.save_pretrained(out)
+    rm_tokenizer.save_pretrained(out)
+    return rm, rm_tokenizer, stats
 
 
 def run_quickstart(
