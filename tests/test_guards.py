@@ -94,11 +94,26 @@ def test_reward_rising_without_held_out_improvement_fires():
     guards = Guards(_cfg(reward_without_eval_patience=2))
     assert guards.check(1, _eval_step(0.1, 0.50)) is None
     assert guards.check(2, _eval_step(0.6, 0.49)) is None  # only one interval so far
-    assert guards.check(3, HEALTHY | {"reward/rm_score": 0.3}) is None
+    assert guards.check(3, HEALTHY | {"reward/rm_score": 0.8}) is None
     violation = guards.check(4, _eval_step(0.9, 0.50))
     assert violation.rule == "reward_without_eval" and violation.value == pytest.approx(0.0)
-    # the RM side is the mean score since the previous eval: (0.3 + 0.9) / 2 - 0.1
-    assert "rose by 0.5 " in violation.message and "guards.reward_without_eval_patience" in violation.message
+    # the RM side is the mean score since the previous eval, (0.8 + 0.9) / 2 - 0.1; its noise is twice the
+    # standard error of that mean (0.05), the first window's being a single step
+    assert "rose by 0.75 (beyond its noise, 0.1)" in violation.message
+    assert "guards.reward_without_eval_patience" in violation.message
+
+
+def test_a_rise_within_the_noise_of_a_plateau_is_quiet():
+    """Training scores that swing by ±0.3 from step to step: a window mean 0.1 higher is noise, not hacking."""
+    guards = Guards(_cfg(reward_without_eval_patience=1))
+    for step, rm in enumerate([0.2, 0.8, 0.2], start=1):
+        assert guards.check(step, HEALTHY | {"reward/rm_score": rm}) is None
+    assert guards.check(4, _eval_step(0.8, 0.5)) is None  # window mean 0.5, standard error 0.17
+    assert guards.check(5, HEALTHY | {"reward/rm_score": 0.3}) is None
+    assert guards.check(6, _eval_step(0.9, 0.5)) is None  # mean 0.6 (error 0.3): rose by 0.1 < 2 x 0.35
+    assert guards.check(7, HEALTHY | {"reward/rm_score": 1.4}) is None
+    # mean 1.45 (error 0.05): rose by 0.85 > 2 x 0.3
+    assert guards.check(8, _eval_step(1.5, 0.5)).rule == "reward_without_eval"
 
 
 def test_reward_rising_with_held_out_improvement_is_quiet():
@@ -113,13 +128,18 @@ def test_the_starting_policys_evaluation_is_the_first_held_out_score():
     guards = Guards(_cfg(reward_without_eval_patience=1))
     guards.start({"eval/gold_score": 0.5, "preflight/samples": 64.0})
     assert guards.state_dict()["baseline"] == 0.5
-    assert guards.check(1, HEALTHY | {"reward/rm_score": 0.1}) is None
-    violation = guards.check(2, _eval_step(0.7, 0.45))
+    rm_scores = [0.1, 0.7, 0.7]  # then 0.7 at step 4 with an evaluation: mean 0.55, standard error 0.15
+    assert all(
+        guards.check(step, HEALTHY | {"reward/rm_score": rm}) is None for step, rm in enumerate(rm_scores, 1)
+    )
+    violation = guards.check(4, _eval_step(0.7, 0.45))
     assert violation.rule == "reward_without_eval" and "never beat 0.5 " in violation.message
     quiet = Guards(_cfg(reward_without_eval_patience=1))
     quiet.start({"preflight/samples": 64.0})  # no evaluation at step 0: nothing to compare against
-    assert quiet.check(1, HEALTHY | {"reward/rm_score": 0.1}) is None
-    assert quiet.check(2, _eval_step(0.7, 0.45)) is None
+    assert all(
+        quiet.check(step, HEALTHY | {"reward/rm_score": rm}) is None for step, rm in enumerate(rm_scores, 1)
+    )
+    assert quiet.check(4, _eval_step(0.7, 0.45)) is None
 
 
 def test_held_out_rm_score_is_used_without_a_gold_judge():
@@ -142,6 +162,17 @@ def test_state_round_trips_through_json():
     assert resumed.check(5, HEALTHY | {"health/nonfinite": 1.0}).rule == "nonfinite"  # the streak went on
     resumed.load_state_dict(guards.state_dict())
     assert resumed.check(5, _eval_step(0.9, 0.5)).rule == "reward_without_eval"  # so did the eval history
+
+
+def test_a_checkpoint_from_before_the_noise_aware_rule_resumes():
+    """Old checkpoints kept (mean, held-out) pairs and no sum of squares: their windows count as noiseless."""
+    guards = Guards(_cfg(reward_without_eval_patience=1))
+    guards.load_state_dict(
+        {"nonfinite_streak": 0, "evals": [[0.1, 0.5]], "rm_sum": 0.6, "rm_count": 2, "baseline": None}
+    )
+    assert guards.state_dict()["evals"] == [[0.1, 0.0, 0.5]]
+    assert guards.state_dict()["rm_sq_sum"] == pytest.approx(0.18)  # as if both steps scored 0.3
+    assert guards.check(3, _eval_step(0.3, 0.5)).rule == "reward_without_eval"  # rose by 0.2, no noise
 
 
 def test_disabled_guards_never_fire():

@@ -313,7 +313,12 @@ class GuardsConfig(Section):
     eos_frac_min: float | None = Field(None, ge=0, le=1)
     clip_frac_max: float | None = Field(0.5, gt=0, le=1)
     max_policy_lag: int | None = Field(None, ge=0)
-    reward_without_eval_patience: int | None = Field(3, gt=0)
+    reward_without_eval_patience: int | None = Field(
+        3,
+        gt=0,
+        description="evaluations over which the training RM score may rise (beyond twice its standard error) "
+        "without the held-out score beating its value at the window's start",
+    )
     warmup_steps: int = Field(5, ge=0, description="rate and length rules start after this step")
 
 

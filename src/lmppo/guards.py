@@ -111,8 +111,9 @@ class Guards:
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
         self.nonfinite_streak = 0
-        self.evals: list[tuple[float, float]] = []  # (mean train RM score since previous eval, held-out)
-        self._rm_sum, self._rm_count = 0.0, 0
+        # (mean training RM score since the previous eval, its standard error, held-out score)
+        self.evals: list[tuple[float, float, float]] = []
+        self._rm_sum, self._rm_sq_sum, self._rm_count = 0.0, 0.0, 0
         self.baseline: float | None = None  # the starting policy's held-out score, until step 1 pairs it
         self.healthy = True
 
@@ -142,13 +143,21 @@ class Guards:
             return
         if rm_score is not None and math.isfinite(rm_score):
             if self.baseline is not None:  # the starting policy's training score and held-out score
-                self.evals, self.baseline = [(rm_score, self.baseline)], None
-            self._rm_sum, self._rm_count = self._rm_sum + rm_score, self._rm_count + 1
+                self.evals, self.baseline = [(rm_score, 0.0, self.baseline)], None
+            self._rm_sum, self._rm_sq_sum = self._rm_sum + rm_score, self._rm_sq_sum + rm_score**2
+            self._rm_count += 1
         heldout = _held_out(metrics)
         if heldout is None or not self._rm_count:
             return
-        self.evals = [*self.evals, (self._rm_sum / self._rm_count, heldout)][-(patience + 1) :]
-        self._rm_sum, self._rm_count = 0.0, 0
+        self.evals = [*self.evals, (*self._rm_window_mean(), heldout)][-(patience + 1) :]
+        self._rm_sum, self._rm_sq_sum, self._rm_count = 0.0, 0.0, 0
+
+    def _rm_window_mean(self) -> tuple[float, float]:
+        """The mean training RM score of the steps since the previous evaluation and its standard error
+        (from the spread of those steps' scores; 0 for a single step)."""
+        n, mean = self._rm_count, self._rm_sum / self._rm_count
+        variance = max(self._rm_sq_sum - n * mean**2, 0.0) / (n - 1) if n > 1 else 0.0
+        return mean, math.sqrt(variance / n)
 
     def _check_nonfinite(
         self, step: int, metrics: Mapping[str, float], names: list[str]
@@ -192,20 +201,25 @@ class Guards:
         patience = self.cfg.reward_without_eval_patience
         if patience is None or len(self.evals) < patience + 1:
             return None
-        (rm_first, heldout_first), *later = self.evals
-        rm_rise = later[-1][0] - rm_first
-        heldout_gain = max(heldout for _, heldout in later) - heldout_first
-        if rm_rise <= 0 or heldout_gain > 0:
+        (rm_first, sem_first, heldout_first), *later = self.evals
+        rm_last, sem_last, _ = later[-1]
+        rm_rise = rm_last - rm_first
+        # On a plateau the training score drifts up about every other window: only a rise larger than two
+        # standard errors of the difference of the two window means counts.
+        rm_noise = 2 * math.hypot(sem_first, sem_last)
+        heldout_gain = max(heldout for *_, heldout in later) - heldout_first
+        if rm_rise <= rm_noise or heldout_gain > 0:
             return None
         return GuardViolation(
             "reward_without_eval",
             heldout_gain,
             0.0,
             f"guard 'reward_without_eval' fired at step {step}: over the last {patience} evaluations the "
-            f"training RM score rose by {_fmt(rm_rise)} while the held-out score (eval/gold_score, else "
-            f"eval/reward/rm_score) never beat {_fmt(heldout_first)} (best change {_fmt(heldout_gain)}). The policy "
-            "is likely exploiting the reward model; raise kl.beta, improve the reward model, or keep the "
-            "last good checkpoint. To tolerate it, raise guards.reward_without_eval_patience (null: off).",
+            f"training RM score rose by {_fmt(rm_rise)} (beyond its noise, {_fmt(rm_noise)}) while the held-out "
+            f"score (eval/gold_score, else eval/reward/rm_score) never beat {_fmt(heldout_first)} (best change "
+            f"{_fmt(heldout_gain)}). The policy is likely exploiting the reward model; raise kl.beta, improve "
+            "the reward model, or keep the last good checkpoint. To tolerate it, raise "
+            "guards.reward_without_eval_patience (null: off).",
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -213,12 +227,19 @@ class Guards:
             "nonfinite_streak": self.nonfinite_streak,
             "evals": [list(e) for e in self.evals],
             "rm_sum": self._rm_sum,
+            "rm_sq_sum": self._rm_sq_sum,
             "rm_count": self._rm_count,
             "baseline": self.baseline,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.nonfinite_streak = int(state["nonfinite_streak"])
-        self.evals = [(float(rm), float(heldout)) for rm, heldout in state["evals"]]
+        # checkpoints before the noise-aware rule kept (mean, held-out) pairs and no sum of squares: their
+        # windows count as noiseless, which is the old rule
+        self.evals = [
+            (float(e[0]), float(e[1]) if len(e) == 3 else 0.0, float(e[-1])) for e in state["evals"]
+        ]
         self._rm_sum, self._rm_count = float(state["rm_sum"]), int(state["rm_count"])
+        noiseless = self._rm_sum**2 / self._rm_count if self._rm_count else 0.0
+        self._rm_sq_sum = float(state.get("rm_sq_sum", noiseless))
         self.baseline = state.get("baseline")
