@@ -149,10 +149,10 @@ class Guards:
         heldout = _held_out(metrics)
         if heldout is None or not self._rm_count:
             return
-        self.evals = [*self.evals, (*self._rm_window_mean(), heldout)][-(patience + 1) :]
+        self.evals = [*self.evals, (*self._rm_window_mean_and_sem(), heldout)][-(patience + 1) :]
         self._rm_sum, self._rm_sq_sum, self._rm_count = 0.0, 0.0, 0
 
-    def _rm_window_mean(self) -> tuple[float, float]:
+    def _rm_window_mean_and_sem(self) -> tuple[float, float]:
         """The mean training RM score of the steps since the previous evaluation and its standard error
         (from the spread of those steps' scores; 0 for a single step)."""
         n, mean = self._rm_count, self._rm_sum / self._rm_count
