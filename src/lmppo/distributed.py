@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import inspect
 import os
 import random
 import warnings
@@ -187,9 +188,12 @@ def data_parallel(module: nn.Module, group: dist.ProcessGroup) -> tuple[Distribu
     """``module`` under DDP (rank 0's weights broadcast to every rank now), with a byte counter.
 
     No ``device_ids``: inputs are already on the module's device. Buffers (rotary tables) are equal on
-    every rank and never trained, so they are not re-broadcast before each forward.
+    every rank and never trained, so they are not re-broadcast before each forward (torch 2.13 renamed
+    the option, deprecating the old name; torch 2.11 and 2.12 know only the old one).
     """
-    ddp = DistributedDataParallel(module, process_group=group, forward_sync_buffers=False)
+    renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    no_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
+    ddp = DistributedDataParallel(module, process_group=group, **no_sync)
     counter = CommCounter(group)
     ddp.register_comm_hook(counter, _counting_allreduce)
     return ddp, counter

@@ -17,6 +17,7 @@ update's forward (:class:`PolicyAndValue`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import time
 import warnings
@@ -27,6 +28,7 @@ from typing import Protocol
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase, StaticCache, TopKLogitsWarper, TopPLogitsWarper
+from transformers.cache_utils import StaticLayer
 
 from lmppo.core import last_response_index, token_logprobs
 from lmppo.data import Prompt, render_query_ids
@@ -426,6 +428,29 @@ def _cache_argument(model) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
+def static_cache(config, max_cache_len: int) -> StaticCache:
+    """A KV cache sized once for the whole decode. Under bf16 autocast the keys leave RoPE in fp32 (the
+    residual stream is fp32) and the values leave their projection in bf16; transformers before 5.2x
+    allocated both in the keys' dtype and then refused the bf16 values. There the values are cast to the
+    keys' dtype as they go in (exact: attention casts both to bf16 again under autocast)."""
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    if not _static_cache_keeps_value_dtype():
+        for layer in cache.layers:
+            layer.update = functools.partial(_values_in_key_dtype, layer.update)
+    return cache
+
+
+@functools.cache
+def _static_cache_keeps_value_dtype() -> bool:
+    layer = StaticLayer(max_cache_len=1)
+    layer.lazy_initialization(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16))
+    return layer.values.dtype == torch.bfloat16
+
+
+def _values_in_key_dtype(update, key_states, value_states, *args, **kwargs):
+    return update(key_states, value_states.to(key_states.dtype), *args, **kwargs)
+
+
 class HFGenerator:
     """Samples responses from a transformers causal LM, one decode step per token on a static KV cache.
 
@@ -603,8 +628,8 @@ class HFGenerator:
         batch, width = query_ids.shape
         device = query_ids.device
         cache = {
-            _cache_argument(self.model): StaticCache(
-                config=unwrap_model(self.model).config, max_cache_len=width + self.max_new_tokens
+            _cache_argument(self.model): static_cache(
+                unwrap_model(self.model).config, max_cache_len=width + self.max_new_tokens
             )
         }
         attention_mask = torch.zeros(batch, width + self.max_new_tokens, dtype=torch.long, device=device)
