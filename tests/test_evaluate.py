@@ -177,6 +177,26 @@ def test_lmppo_eval_judges_start_and_final_policy_with_the_configured_judge(run_
     assert record["summary"]["judge"] == "gold"  # the win rate is decided by the configured judge
 
 
+def test_lmppo_eval_uses_the_runs_device_and_precision(run_files, monkeypatch):
+    """Both policies are frozen here: 16-bit weights and bf16 autocast under run.precision=bf16, on the
+    run's device (it used to load them in fp32 on the CPU whatever the run said)."""
+    config = yaml.safe_load(run_files.read_text())
+    config["data"]["eval_prompts"] = config["data"]["prompts"]
+    config["run"].update(precision="bf16", steps=1)
+    run_files.write_text(yaml.safe_dump(config))
+    assert run_cli("ppo", str(run_files)) == 0
+    seen = []
+
+    def record(policy, tokenizer, prompts, **kwargs):
+        weights = next(policy.parameters())
+        seen.append((weights.dtype, weights.device.type, torch.is_autocast_enabled("cpu")))
+        return evaluate_policy(policy, tokenizer, prompts[:2], **kwargs)
+
+    monkeypatch.setattr("lmppo.evaluate.evaluate_policy", record)
+    assert run_cli("eval", str(run_files.parent / "run")) == 0
+    assert seen == [(torch.bfloat16, "cpu", True)] * 2
+
+
 def test_a_judge_that_raises_is_shown_as_the_users_code(policy_model, policy_tokenizer):
     def judge(prompt, response):
         raise KeyError(prompt)

@@ -29,13 +29,20 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from lmppo.build import generator_options, load_reward
-from lmppo.config import load_config
+from lmppo.build import generator_options, load_reward, settled_dtype
+from lmppo.config import ModelSource, load_config
 from lmppo.core import kl_estimate
 from lmppo.data import Prompt, load_demonstrations, load_prompts
 from lmppo.distributed import all_sum, gather_objects
 from lmppo.errors import LmppoError, user_code_error
-from lmppo.models import eval_mode, load_causal_lm, load_tokenizer
+from lmppo.models import (
+    autocast,
+    eval_mode,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_device,
+    resolve_precision,
+)
 from lmppo.rollout import HFGenerator, Rollout, sequence_logprobs
 from lmppo.scoring import RewardFunction, load_function
 from lmppo.sft import response_nll_sum
@@ -327,23 +334,35 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
         raise LmppoError(
             f"{run_dir / 'final'} does not exist: the run has not finished (continue it with --resume)"
         )
+    # On the run's device and in its numerics: both policies are frozen here (16-bit under bf16).
+    device = resolve_device(cfg.run.device)
+    precision = resolve_precision(cfg.run.precision, device)
+
+    def frozen_policy(section: ModelSource):
+        settled = settled_dtype(section, "models.policy", precision=precision, trained=False)
+        return load_causal_lm(settled).to(device)
+
     tokenizer, prompts = load_tokenizer(cfg.models.policy), load_prompts(prompts_path)
-    reward_fn = load_reward(cfg.reward).reward
+    reward_fn = load_reward(cfg.reward, device, precision).reward
     gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
-    start = load_causal_lm(cfg.models.policy)
-    results = {
-        name: evaluate_policy(
-            policy,
-            tokenizer,
-            prompts,
-            reward_fn=reward_fn,
-            reference=start,
-            gold_fn=gold_fn,
-            generator_options=generator_options(cfg),
-            batch_size=cfg.run.eval_batch_size,
-            seed=cfg.run.seed,
-        )
-        for name, policy in (("start", start), ("PPO", load_causal_lm(run_dir / "final")))
-    }
+    start = frozen_policy(cfg.models.policy)
+    final = frozen_policy(
+        cfg.models.policy.model_copy(update={"path": str(run_dir / "final"), "gguf_file": None})
+    )
+    with autocast(precision, device):
+        results = {
+            name: evaluate_policy(
+                policy,
+                tokenizer,
+                prompts,
+                reward_fn=reward_fn,
+                reference=start,
+                gold_fn=gold_fn,
+                generator_options=generator_options(cfg),
+                batch_size=cfg.run.eval_batch_size,
+                seed=cfg.run.seed,
+            )
+            for name, policy in (("start", start), ("PPO", final))
+        }
     write_eval_json(run_dir, results, baseline="start")
     return compare_policies(results, baseline="start")
