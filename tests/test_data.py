@@ -1,6 +1,7 @@
 """Prompt and demonstration loading, and the resumable prompt stream."""
 
 import json
+import sys
 
 import pytest
 
@@ -90,6 +91,17 @@ def test_prompts_from_a_datasets_directory(tmp_path):
     assert load_prompts(tmp_path / "ds", split="train") == ["a", "b"]
     with pytest.raises(LmppoError, match="data.split"):
         load_prompts(tmp_path / "ds")
+
+
+def test_a_dataset_directory_without_the_datasets_package_says_what_to_install(tmp_path, monkeypatch):
+    """`datasets` is imported only for dataset directories (the GPU machine has none); JSONL needs nothing."""
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "state.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(LmppoError, match=r"ds is a dataset directory.*pip install datasets"):
+        load_prompts(tmp_path / "ds")
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}])
+    assert load_prompts(path) == ["a"]
 
 
 def test_demonstrations_need_a_response(tmp_path):

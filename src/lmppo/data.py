@@ -147,9 +147,14 @@ def _located_rows(path: str | Path, split: str | None) -> list[tuple[str, dict[s
             f"{path} is a directory but not a dataset saved with datasets' save_to_disk (no state.json or "
             "dataset_dict.json in it); give a JSONL file or such a directory"
         )
-    import datasets
-    import pyarrow
-
+    try:  # imported here: only dataset directories need it, and a minimal environment may lack it
+        import datasets
+        import pyarrow
+    except ImportError as err:
+        raise LmppoError(
+            f"{path} is a dataset directory, and reading one needs the `datasets` package ({err}); "
+            "install it (pip install datasets) or give a JSONL file"
+        ) from None
     try:
         ds = datasets.load_from_disk(str(path))
     except (OSError, ValueError, KeyError, pyarrow.ArrowException) as err:
