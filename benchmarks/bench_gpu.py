@@ -1,11 +1,16 @@
-"""PPO steps on a device, fp32 against bf16, for SmolLM2-135M (LoRA, shared critic) and a randomly
-initialised ~1B Llama (full policy, separate critic, gradient checkpointing): step time, generation and
-update tokens/s, peak memory, and the memory plan against it. Each run is its own ``lmppo ppo`` process.
+"""PPO steps on a GPU, per model and precision: step time, generation and update tokens/s, the model FLOP
+rate they achieve against the GPU's bf16 matrix-product rate measured in this process, and peak
+``max_memory_allocated`` against ``lmppo plan``. Models are random with real shapes (random_models.py):
+SmolLM2-135M (LoRA, critic head on the trunk), a 1.07B and a 3B Llama (full policy, gradient
+checkpointing; a separate critic where the plan fits one). Each row is its own ``lmppo ppo`` process,
+stopped once its steps are logged (no end-of-run checkpoint to write).
 
-    python benchmarks/bench_gpu.py                      # on a CUDA machine (benchmarks/gpu_check.sh)
-    python benchmarks/bench_gpu.py --device cpu --models smollm2 --steps 1 --rows 2 --tokens 4   # smoke
+    python benchmarks/bench_gpu.py --deadline-s 180        # on the GPU (benchmarks/gpu_check.sh runs it)
+    python benchmarks/bench_gpu.py --dry-run               # anywhere: every row's plan for a 139 GiB GPU
 
-Prints a markdown table, then one JSON line with every figure.
+Rows run in order of value and a row that would overrun the deadline is skipped, so a cut-off run keeps
+every row it finished: ``gpu_bench.md`` (the table) and ``gpu_bench.jsonl`` (one JSON line per row) in
+--out are rewritten after each row. Models and runs go to --work (gigabytes; each row's log beside its run).
 """
 
 from __future__ import annotations
@@ -15,117 +20,281 @@ import json
 import statistics
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTEXT_MB = 512  # the plan's CUDA context, outside max_memory_allocated
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from random_models import make  # noqa: E402
 
 
-def model_overrides(name: str, llama_dir: Path) -> tuple[Path, list[str]]:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_smollm2 import CACHE_DIR, smollm2_gguf
+@dataclass(frozen=True)
+class Row:
+    shape: str
+    precision: str
+    config: str
+    overrides: tuple[str, ...] = ()
 
-    from lmppo.models import cache_gguf_as_transformers
-
-    cache_gguf_as_transformers(smollm2_gguf(), CACHE_DIR)
-    if name == "smollm2":
-        return ROOT / "examples/smollm2/ppo_judge.yaml", [f"models.policy.path={CACHE_DIR}"]
-    if not (llama_dir / "model.safetensors").exists():
-        subprocess.run(
-            [sys.executable, str(ROOT / "benchmarks/make_llama_1b.py"), str(llama_dir)], check=True
-        )
-    return ROOT / "examples/llama_1b/ppo.yaml", [f"models.policy.path={llama_dir}"]
+    @property
+    def name(self) -> str:
+        return f"{self.shape} {self.precision}"
 
 
-def run_once(config: Path, overrides: list[str], out: Path) -> dict:
-    command = [
-        sys.executable,
-        "-m",
-        "lmppo",
-        "ppo",
-        str(config),
-        *overrides,
+LLAMA = "examples/llama_1b/ppo.yaml"
+# Most informative first: the bf16 rows our users run, then fp32 for the ratio.
+ROWS = [
+    Row("smollm2-135m", "bf16", "examples/smollm2/ppo_judge.yaml"),
+    Row("llama-1b", "bf16", LLAMA),
+    Row("llama-3b", "bf16", LLAMA),
+    Row("smollm2-135m", "fp32", "examples/smollm2/ppo_judge.yaml"),
+    Row("llama-1b", "fp32", LLAMA),
+]
+
+
+def row_config(row: Row, model_dir: Path, args, output_dir: Path) -> list[str]:
+    return [
+        f"models.policy.path={model_dir}",
+        *row.overrides,
+        f"run.device={args.device}",
+        f"run.precision={row.precision}",
+        f"run.steps={args.steps}",
+        f"run.output_dir={output_dir}",
+        "run.checkpoint_every=0",
         "run.eval_every=0",  # training steps only: no held-out evaluation, no reward pre-flight
         "diagnosis.preflight_batches=0",
-        f"run.output_dir={out}",
-        "--quiet",
+        "guards.enabled=false",  # random weights: the rules would only stop a measurement
+        f"rollout.batch_size={args.rows}",
+        f"rollout.max_new_tokens={args.tokens}",
+        f"ppo.minibatch_size={max(args.rows // 2, 1)}",
+        "data.eval_prompts=null",
+        "reward.missing_eos_penalty=null",
     ]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode != 0:
-        return {
-            "error": done.stderr.strip().splitlines()[-1]
-            if done.stderr.strip()
-            else f"exit {done.returncode}"
-        }
-    from lmppo.checkpoint import latest_checkpoint
-    from lmppo.metrics import read_metrics
 
-    records = read_metrics(out)
+
+def flops_per_token(cfg, n_params: dict[str, int]) -> tuple[float, float]:
+    """Model FLOPs per generated token (forward, 2N) and per response token of the update (forward 2N and
+    backward 4N per fully trained network, 2N through a LoRA-adapted one; recompute under gradient
+    checkpointing and prompt tokens not counted: a lower bound)."""
+    policy = n_params["policy"]
+    backward = 2 if cfg.models.policy_lora.enabled else 4
+    update = (2 + backward) * policy
+    if cfg.models.value.mode == "separate":
+        update += 6 * n_params["value"]
+    return 2.0 * policy, float(update)
+
+
+def parameter_counts(cfg) -> dict[str, int]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def count(path: str) -> int:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        return sum(p.numel() for p in model.parameters())
+
+    policy = count(cfg.models.policy.path)
+    return {"policy": policy, "value": policy}  # the benchmark's critics start from the policy
+
+
+def matmul_tflops(device: str) -> float | None:
+    """The device's bf16 rate on an 8192-cube product (mean of 10 after 3 warm-ups), in this process."""
+    import torch
+
+    if device != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192**3 / (time.perf_counter() - start) / 1e12
+
+
+def run_steps(command: list[str], metrics_file: Path, steps: int, timeout: float) -> str | None:
+    """Run ``lmppo ppo`` until ``steps`` steps are logged, then stop it; the error's last line if it failed."""
+    log = metrics_file.parent.with_suffix(".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + timeout
+        while process.poll() is None and time.monotonic() < deadline:
+            if metrics_file.is_file() and len(metrics_file.read_text().splitlines()) >= steps:
+                break
+            time.sleep(0.5)
+        finished = process.poll() is not None
+        process.kill()
+        process.wait()
+    logged = len(metrics_file.read_text().splitlines()) if metrics_file.is_file() else 0
+    if logged >= steps:
+        return None
+    lines = log.read_text().strip().splitlines() or ["no output"]
+    return lines[-1][:300] if finished else f"timed out after {logged} of {steps} steps"
+
+
+def summarise(records: list[dict], cfg, n_params, plan_bytes: int, peak_tflops) -> dict:
+    from lmppo.plan import CUDA_CONTEXT_BYTES
+
     timed = records[1:] or records  # the first step carries warm-up (kernels, allocator, caches)
-    plan = json.loads((latest_checkpoint(out) / "manifest.json").read_text())["memory_plan"]
+    median = lambda key: statistics.median(r[key] for r in timed)  # noqa: E731
+    gen_flops, update_flops = flops_per_token(cfg, n_params)
+    gen_tps, update_tps = median("perf/rollout_tokens_per_s"), median("perf/train_tokens_per_s")
     gpu = "perf/peak_gpu_mb" in records[-1]
     measured = max(r["perf/peak_gpu_mb" if gpu else "perf/peak_rss_mb"] for r in records)
-    planned = plan["peak_bytes"] / 2**20 - (CONTEXT_MB if gpu else 0)
-    return {
-        "step_s": round(statistics.median(r["perf/step_s"] for r in timed), 2),
-        "rollout_tokens_per_s": round(statistics.median(r["perf/rollout_tokens_per_s"] for r in timed)),
-        "train_tokens_per_s": round(statistics.median(r["perf/train_tokens_per_s"] for r in timed)),
+    planned = (plan_bytes - (CUDA_CONTEXT_BYTES if gpu else 0)) / 2**20
+    result = {
+        "params_m": round(n_params["policy"] / 1e6),
+        "step_s": round(median("perf/step_s"), 2),
+        "rollout_s": round(median("perf/rollout_s"), 2),
+        "update_s": round(median("perf/update_s"), 2),
+        "gen_tokens_per_s": round(gen_tps),
+        "update_tokens_per_s": round(update_tps),
+        "gen_tflops": float(f"{gen_flops * gen_tps / 1e12:.3g}"),
+        "update_tflops": float(f"{update_flops * update_tps / 1e12:.3g}"),
         "engine_logp_gap": round(records[0]["engine/logp_gap"], 5),
         "peak_mb": round(measured),
         "plan_mb": round(planned),
         "plan_error": round(planned / measured - 1, 3),
     }
+    if peak_tflops:
+        result["update_mfu"] = float(f"{result['update_tflops'] / peak_tflops:.3g}")
+    return result
+
+
+def table(results: dict, device_name: str, peak_tflops) -> str:
+    peak = f"{peak_tflops:.0f}" if peak_tflops else "n/a"
+    lines = [
+        f"{device_name}, bf16 matmul {peak} TFLOP/s measured in-process",
+        "",
+        "| row | step s | rollout s | update s | gen tok/s | gen TFLOP/s | update tok/s | update TFLOP/s "
+        "| peak MiB | plan MiB | plan error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['error']} |")
+            continue
+        lines.append(
+            f"| {name} ({r['params_m']}M) | {r['step_s']} | {r['rollout_s']} | {r['update_s']} "
+            f"| {r['gen_tokens_per_s']} | {r['gen_tflops']} | {r['update_tokens_per_s']} | {r['update_tflops']} "
+            f"| {r['peak_mb']} | {r['plan_mb']} | {r['plan_error']:+.0%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def dry_run(args) -> None:
+    """Each row's config and memory plan for a 139 GiB GPU, from config-only models: no GPU needed."""
+    from lmppo.config import load_config
+    from lmppo.plan import memory_plan
+
+    for row in ROWS:
+        model_dir = make(row.shape, args.work / "models" / f"{row.shape}-config", config_only=True)
+        cfg = load_config(ROOT / row.config, row_config(row, model_dir, args, args.work / "runs" / "dry"))
+        plan = memory_plan(cfg, available=139 * 2**30, world_size=1, device="cuda")
+        fits = "fits" if plan.fits else "does NOT fit"
+        print(f"  {row.name:>20}: plan {plan.peak / 2**30:.1f} GiB of 139 GiB, {fits}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument(
-        "--models", nargs="+", default=["smollm2", "llama-1b"], choices=["smollm2", "llama-1b"]
-    )
-    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rows-only", nargs="+", help="row names to run, e.g. 'llama-1b bf16'")
+    parser.add_argument("--steps", type=int, default=3, help="per row; the first is warm-up")
     parser.add_argument("--rows", type=int, default=32, help="prompts per step")
     parser.add_argument("--tokens", type=int, default=128, help="max new tokens")
-    parser.add_argument("--out", type=Path, default=Path("/tmp/lmppo-bench-gpu"))
-    parser.add_argument("--llama-dir", type=Path, default=ROOT / ".cache/lmppo/llama-1b")
+    parser.add_argument("--deadline-s", type=float, default=180, help="stop starting rows after this")
+    parser.add_argument("--out", type=Path, default=Path("gpu-out"))
+    parser.add_argument(
+        "--work", type=Path, default=Path("/tmp/lmppo-gpu"), help="random models and the rows' runs (large)"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print each row's plan, run nothing")
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        return dry_run(args)
+    started = time.monotonic()
 
     import torch
 
+    from lmppo.config import load_config
+    from lmppo.metrics import read_metrics
+    from lmppo.plan import memory_plan
+
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    results = {}
-    for name in args.models:
-        config, overrides = model_overrides(name, args.llama_dir)
-        for precision in args.precisions:
-            settings = [
-                *overrides,
-                f"run.device={args.device}",
-                f"run.precision={precision}",
-                f"run.steps={args.steps}",
-                "run.checkpoint_every=0",
-                f"rollout.batch_size={args.rows}",
-                f"rollout.max_new_tokens={args.tokens}",
-                f"ppo.minibatch_size={max(args.rows // 2, 1)}",
-                "data.eval_prompts=null",
-                "reward.missing_eos_penalty=null",
-            ]
-            results[f"{name} {precision}"] = run_once(config, settings, args.out / f"{name}-{precision}")
-    print(
-        f"| {device_name} | step s | gen tok/s | update tok/s | peak MiB | plan MiB | plan error | logp gap |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for key, r in results.items():
-        if "error" in r:
-            print(f"| {key} | failed: {r['error']} |")
+    peak_tflops = matmul_tflops(args.device)
+    print(f"[bench] {device_name}: bf16 matmul {peak_tflops or 0:.0f} TFLOP/s", flush=True)
+    results: dict[str, dict] = {}
+    seconds_per_row: list[float] = []
+    for row in ROWS:
+        if args.rows_only and row.name not in args.rows_only:
             continue
-        print(
-            f"| {key} | {r['step_s']} | {r['rollout_tokens_per_s']} | {r['train_tokens_per_s']} | {r['peak_mb']} "
-            f"| {r['plan_mb']} | {r['plan_error']:+.0%} | {r['engine_logp_gap']} |"
-        )
-    print(
-        json.dumps({"device": device_name, "rows": args.rows, "new_tokens": args.tokens, "results": results})
-    )
+        left = args.deadline_s - (time.monotonic() - started)
+        if left < (max(seconds_per_row) if seconds_per_row else 30):
+            results[row.name] = {"error": f"skipped: {left:.0f} s left before the deadline"}
+            print(f"[bench] {row.name}: skipped ({left:.0f} s left)", flush=True)
+            continue
+        row_start = time.monotonic()
+        model_dir = args.work / "models" / row.shape
+        output_dir = args.work / "runs" / row.name.replace(" ", "-")
+        overrides = row_config(row, model_dir, args, output_dir)
+        if not list(model_dir.glob("*.safetensors")):
+            make(row.shape, model_dir, config_only=True)
+        cfg = load_config(ROOT / row.config, overrides)
+        # Planned before any weights exist here: on CPU the plan counts this process's resident memory as
+        # the run's baseline, as `lmppo ppo` does at its start.
+        plan = memory_plan(cfg)
+        if not list(model_dir.glob("*.safetensors")):
+            # bf16 files halve the 3B's write on a GPU; fp32 on CPU, as real checkpoints are (the mapped
+            # file counts in the peak RSS the plan is checked against there)
+            dtype = "bfloat16" if args.device == "cuda" else "float32"
+            make(row.shape, model_dir, device=args.device, dtype=dtype)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()  # the child process needs the memory the model took here
+        command = [
+            sys.executable,
+            "-m",
+            "lmppo",
+            "ppo",
+            str(ROOT / row.config),
+            *overrides,
+            "--quiet",
+            "--force",
+        ]
+        error = run_steps(command, output_dir / "metrics.jsonl", args.steps, timeout=left)
+        if error:
+            results[row.name] = {"error": error}
+        else:
+            results[row.name] = summarise(
+                read_metrics(output_dir), cfg, parameter_counts(cfg), plan.peak, peak_tflops
+            )
+        seconds_per_row.append(time.monotonic() - row_start)
+        print(f"[bench] {row.name}: {seconds_per_row[-1]:.0f} s {json.dumps(results[row.name])}", flush=True)
+        write_results(args, results, device_name, peak_tflops)
+    print(table(results, device_name, peak_tflops), flush=True)
+    print(json.dumps(report(args, results, device_name, peak_tflops)))
+
+
+def report(args, results: dict, device_name: str, peak_tflops) -> dict:
+    return {
+        "device": device_name,
+        "matmul_tflops": peak_tflops,
+        "rows": args.rows,
+        "new_tokens": args.tokens,
+        "steps": args.steps,
+        "date": time.strftime("%Y-%m-%d"),
+        "results": results,
+    }
+
+
+def write_results(args, results: dict, device_name: str, peak_tflops) -> None:
+    """The table and one JSON line per row so far, rewritten after each row: a cut-off run keeps them."""
+    (args.out / "gpu_bench.md").write_text(table(results, device_name, peak_tflops))
+    common = {k: v for k, v in report(args, results, device_name, peak_tflops).items() if k != "results"}
+    lines = [json.dumps({**common, "row": name, **result}) for name, result in results.items()]
+    (args.out / "gpu_bench.jsonl").write_text("".join(line + "\n" for line in lines))
 
 
 if __name__ == "__main__":

@@ -116,15 +116,69 @@ def test_bench_memory_runs_every_mode(tmp_path):
 
 @pytest.mark.slow
 def test_bench_gpu_runs_on_cpu_too(tmp_path):
-    """The GPU benchmark's code path, at its smallest size on CPU (CI has no GPU): a real SmolLM2 run in a
-    fresh process, whose measured peak RSS the memory plan must be within 25 % of."""
-    args = ["--device", "cpu", "--models", "smollm2", "--precisions", "fp32", "--steps", "1"]
+    """The GPU benchmark's code path, at its smallest size on CPU (CI has no GPU): random SmolLM2 weights
+    in a fresh process, stopped once its steps are logged, the plan within 25 % of the measured peak RSS,
+    and the table and JSON lines written for a cut-off run to keep."""
+    args = [
+        "--device",
+        "cpu",
+        "--rows-only",
+        "smollm2-135m fp32",
+        "--steps",
+        "1",
+        "--rows",
+        "2",
+        "--tokens",
+        "4",
+    ]
     report = run_bench(
-        BENCH.parent / "bench_gpu.py", *args, "--rows", "2", "--tokens", "4", "--out", str(tmp_path)
+        BENCH.parent / "bench_gpu.py", *args, "--out", str(tmp_path), "--work", str(tmp_path / "work")
     )
-    result = report["results"]["smollm2 fp32"]
+    result = report["results"]["smollm2-135m fp32"]
     assert "error" not in result, result
     assert result["step_s"] > 0 and result["peak_mb"] > 0 and abs(result["plan_error"]) < 0.25
+    assert result["params_m"] == 135 and result["gen_tflops"] > 0
+    assert "| smollm2-135m fp32 (135M) |" in (tmp_path / "gpu_bench.md").read_text()
+    assert json.loads((tmp_path / "gpu_bench.jsonl").read_text())["row"] == "smollm2-135m fp32"
+    assert not (
+        tmp_path / "work" / "runs" / "smollm2-135m-fp32" / "final"
+    ).exists()  # stopped before the end's save
+
+
+def test_random_models_have_the_sizes_their_names_say():
+    """SmolLM2-135M's own config; Llama-3.2-1B and -3B shapes on SmolLM2's vocabulary (meta device: no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(BENCH.parent))
+    from random_models import SHAPES, model_config, smollm2_files
+
+    sizes = {}
+    for shape in SHAPES:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config(shape, smollm2_files()))
+        sizes[shape] = round(sum(p.numel() for p in model.parameters()) / 1e6)
+    assert sizes == {"smollm2-135m": 135, "llama-1b": 1074, "llama-3b": 2970}
+
+
+def test_bench_gpu_dry_run_plans_every_row_for_a_139_gib_gpu(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH.parent / "bench_gpu.py"),
+            "--dry-run",
+            "--out",
+            str(tmp_path),
+            "--work",
+            str(tmp_path / "models"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    plans = [line for line in done.stdout.splitlines() if "plan" in line]
+    assert len(plans) == 5 and all(line.endswith(", fits") for line in plans), done.stdout
 
 
 def test_ablation_resumes_from_its_results_and_reports_aborted_seeds(tmp_path, monkeypatch, capsys):

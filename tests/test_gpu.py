@@ -1,71 +1,89 @@
-"""The CUDA path: a bf16 SmolLM2 LoRA PPO step, generation on a static cache, exact resume, and the memory
-plan against ``max_memory_allocated``. Skipped without a CUDA device; ``benchmarks/gpu_check.sh`` runs them."""
+"""The paths only a GPU exercises: bf16 autocast with fp32 master weights on CUDA, generation on a static
+cache, the memory plan against ``max_memory_allocated``, bit-exact resume with deterministic kernels, and
+``lmppo eval`` on the device. Skipped without a CUDA device; ``benchmarks/gpu_check.sh`` runs them.
+
+SmolLM2-135M-Instruct here has its real tokenizer, chat template and shapes but random weights, made on the
+device (benchmarks/random_models.py): an offline GPU machine cannot take the 93 MB GGUF along. Set
+``LMPPO_GPU_TESTS_DEVICE=cpu`` to run the same checks on the CPU (slowly) before a GPU session.
+"""
 
 import json
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers import comparable, run_cli, write_config
-from test_smollm2 import CACHE_DIR, smollm2_gguf
 
 from lmppo.build import load_models
 from lmppo.checkpoint import latest_checkpoint, load_checkpoint
 from lmppo.config import load_config
+from lmppo.data import load_prompts
 from lmppo.metrics import read_metrics
-from lmppo.models import cache_gguf_as_transformers
 from lmppo.trainer import PPOTrainer
 
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = os.environ.get("LMPPO_GPU_TESTS_DEVICE", "cuda")
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-ROOT = CACHE_DIR.parents[2]
-PROMPTS = ["What is the capital of France?", "Name a colour.", "Say hello.", "Count to three."]
 
 
 @pytest.fixture(scope="module")
 def smollm2_config(tmp_path_factory):
-    """examples/smollm2/ppo_judge.yaml on the GPU in bf16, small enough for seconds per step."""
-    cache_gguf_as_transformers(smollm2_gguf(), CACHE_DIR)
+    """examples/smollm2/ppo_judge.yaml (LoRA, critic head on the trunk) in bf16, seconds per step."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from random_models import make
+
     here = tmp_path_factory.mktemp("gpu")
-    (here / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 2))
+    model_dir = make("smollm2-135m", here / "smollm2", device=DEVICE, dtype="bfloat16")
     return load_config(
         ROOT / "examples/smollm2/ppo_judge.yaml",
         [
-            f"models.policy.path={CACHE_DIR}",
-            f"data.prompts={here / 'prompts.jsonl'}",
+            f"models.policy.path={model_dir}",
             "data.eval_prompts=null",
             "rollout.batch_size=8",
             "rollout.max_new_tokens=32",
             "ppo.minibatch_size=4",
-            "run.device=cuda",
+            f"run.device={DEVICE}",
             "run.precision=bf16",
             f"run.output_dir={here / 'run'}",
         ],
     )
 
 
-def test_a_bf16_smollm2_lora_step_on_cuda(smollm2_config):
-    models = load_models(smollm2_config, torch.device("cuda"))
-    trainer = PPOTrainer(smollm2_config, models, PROMPTS * 2)
+def trainer_for(cfg) -> PPOTrainer:
+    """The example's own training prompts: its judge scores only those."""
+    return PPOTrainer(cfg, load_models(cfg, torch.device(DEVICE)), load_prompts(cfg.data.prompts))
+
+
+def test_a_bf16_step_computes_in_bf16_and_keeps_fp32_masters(smollm2_config):
+    trainer = trainer_for(smollm2_config)
+    models = trainer.models
     assert trainer.precision == "bf16"
+    with trainer.autocast():
+        logits = models.policy(torch.tensor([[1, 2, 3]], device=DEVICE)).logits
+    assert logits.dtype == torch.bfloat16  # the matrix products ran in bf16
     metrics = trainer.step()
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     # The first ratio is 1 up to the bf16 difference between the decode loop and the update's forward.
     assert metrics["engine/logp_gap"] < 0.05 and abs(metrics["policy/ratio_mean"] - 1) < 0.05
-    assert {p.dtype for p in models.policy.parameters() if p.requires_grad} == {torch.float32}
-    print(
-        f"\nbf16 engine/logp_gap {metrics['engine/logp_gap']:.4f}, peak {metrics['perf/peak_gpu_mb']:.0f} MiB"
-    )
+    trained = {p.dtype for p in models.policy.parameters() if p.requires_grad}
+    frozen = {p.dtype for p in models.policy.parameters() if not p.requires_grad}
+    assert trained == {torch.float32} and frozen == {torch.bfloat16}  # LoRA adapters fp32 on a 16-bit base
+    print(f"\nbf16 engine/logp_gap {metrics['engine/logp_gap']:.4f}, step {metrics['perf/step_s']:.2f} s")
 
 
-def test_generation_on_a_static_cache_on_cuda(smollm2_config):
-    models = load_models(smollm2_config, torch.device("cuda"))
-    trainer = PPOTrainer(smollm2_config, models, PROMPTS * 2)
+def test_generation_on_a_static_cache_ends_each_mask_at_the_first_eos(smollm2_config):
+    trainer = trainer_for(smollm2_config)
+    models = trainer.models
     torch.manual_seed(0)
     with trainer.autocast():
         rollout = trainer.collect_rollout()
-    assert rollout.response_ids.is_cuda and rollout.logp_old.dtype == torch.float32
+    assert rollout.response_ids.device.type == DEVICE and rollout.logp_old.dtype == torch.float32
     mask = rollout.response_mask.bool()
     assert (
         mask[:, 0].all()
@@ -77,42 +95,66 @@ def test_generation_on_a_static_cache_on_cuda(smollm2_config):
     for ids, row_mask, ended in zip(rollout.response_ids, mask, rollout.terminated):
         n = int(row_mask.sum())
         assert (ids[n - 1] == eos) == bool(ended) and not row_mask[n:].any()
+        assert ended or n == smollm2_config.rollout.max_new_tokens
 
 
-def test_the_plan_bounds_max_memory_allocated(smollm2_config):
+@pytest.mark.skipif(DEVICE != "cuda", reason="max_memory_allocated is CUDA's")
+def test_the_plan_is_within_25_percent_of_max_memory_allocated(smollm2_config):
     from lmppo.plan import CUDA_CONTEXT_BYTES, memory_plan
 
     plan = memory_plan(smollm2_config)
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    models = load_models(smollm2_config, torch.device("cuda"))
-    PPOTrainer(smollm2_config, models, PROMPTS * 2).step()
+    trainer_for(smollm2_config).step()
     measured = torch.cuda.max_memory_allocated()
     planned = plan.peak - CUDA_CONTEXT_BYTES  # the context is outside torch's allocator
     print(f"\nplan {planned / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
     assert abs(planned / measured - 1) < 0.25
 
 
-def test_exact_resume_on_cuda(run_files, monkeypatch):
-    """Bit-exact resume on the GPU needs deterministic kernels (embedding backward uses atomics)."""
+@pytest.fixture
+def deterministic(monkeypatch):
+    """Bit-exact runs on a GPU need deterministic kernels (embedding backward uses atomics)."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
-    try:
-        straight = write_config(
-            run_files,
-            run={
-                "steps": 4,
-                "output_dir": str(run_files.parent / "straight"),
-                "device": "cuda",
-                "precision": "bf16",
-            },
-        )
-        assert run_cli("ppo", str(straight)) == 0
-        split = write_config(straight, run={"steps": 2, "output_dir": str(run_files.parent / "split")})
-        assert run_cli("ppo", str(split)) == 0
-        assert run_cli("ppo", "--resume", str(run_files.parent / "split"), "run.steps=4") == 0
-    finally:
-        torch.use_deterministic_algorithms(False)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def test_exact_resume_in_bf16(run_files, deterministic):
+    straight = write_config(
+        run_files,
+        run={
+            "steps": 4,
+            "output_dir": str(run_files.parent / "straight"),
+            "device": DEVICE,
+            "precision": "bf16",
+        },
+    )
+    assert run_cli("ppo", str(straight)) == 0
+    split = write_config(straight, run={"steps": 2, "output_dir": str(run_files.parent / "split")})
+    assert run_cli("ppo", str(split)) == 0
+    assert run_cli("ppo", "--resume", str(run_files.parent / "split"), "run.steps=4") == 0
     a, b = run_files.parent / "straight", run_files.parent / "split"
     assert comparable(read_metrics(a)) == comparable(read_metrics(b))
     ta, tb = (load_checkpoint(latest_checkpoint(d)).tensors["policy"] for d in (a, b))
     assert all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_lmppo_eval_runs_on_the_device(run_files):
+    config = yaml.safe_load(run_files.read_text())
+    config["data"]["eval_prompts"] = config["data"]["prompts"]
+    config["run"].update(device=DEVICE, precision="bf16")
+    run_files.write_text(yaml.safe_dump(config))
+    assert run_cli("ppo", str(run_files)) == 0
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    assert run_cli("eval", str(run_files.parent / "run")) == 0
+    if DEVICE == "cuda":
+        assert torch.cuda.max_memory_allocated() > 0  # the policies and their samples lived on the GPU
+    record = json.loads((run_files.parent / "run" / "eval.json").read_text())
+    assert all(
+        torch.isfinite(torch.tensor(value))
+        for policy in record["policies"].values()
+        for value in policy["metrics"].values()
+    )

@@ -112,7 +112,13 @@ def test_the_readme_shows_what_lmppo_plan_prints_for_the_1b_example(tmp_path):
     """The README's 1B-on-one-GPU figures come from the plan of the shipped config (no weights needed)."""
     root = Path(__file__).resolve().parents[1]
     subprocess.run(
-        [sys.executable, str(root / "benchmarks/make_llama_1b.py"), str(tmp_path / "llama"), "--config-only"],
+        [
+            sys.executable,
+            str(root / "benchmarks/random_models.py"),
+            "llama-1b",
+            str(tmp_path / "llama"),
+            "--config-only",
+        ],
         check=True,
         capture_output=True,
     )
