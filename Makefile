@@ -66,7 +66,8 @@ test-vllm: $(VLLM_STAMP)
 
 # The oldest torch and transformers lmppo supports (pyproject.toml's floors: the GPU machine's versions).
 # PyPI has no CPU build of torch 2.11, so this is its CUDA build running on the CPU (its CUDA libraries
-# add about 2.5 minutes to the install). The pins come last so that nothing upgrades them.
+# make the install about 3 minutes; the fast suite takes about 2.5 more). The pins come last so that
+# nothing upgrades them.
 OLDEST_VENV  ?= .venv-oldest
 OLDEST_SPEC  ?= torch==2.11.0 transformers==5.17.0
 OLDEST_PY    := $(OLDEST_VENV)/bin/python

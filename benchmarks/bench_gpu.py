@@ -219,62 +219,63 @@ def main() -> None:
 
     import torch
 
-    from lmppo.config import load_config
-    from lmppo.metrics import read_metrics
-    from lmppo.plan import memory_plan
-
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     peak_tflops = matmul_tflops(args.device)
     print(f"[bench] {device_name}: bf16 matmul {peak_tflops or 0:.0f} TFLOP/s", flush=True)
     results: dict[str, dict] = {}
-    seconds_per_row: list[float] = []
+    seconds_per_shape: dict[str, float] = {}
     for row in ROWS:
         if args.rows_only and row.name not in args.rows_only:
             continue
         left = args.deadline_s - (time.monotonic() - started)
-        if left < (max(seconds_per_row) if seconds_per_row else 30):
+        # a shape measured before takes about as long again (its model exists by then); else the longest row
+        if left < seconds_per_shape.get(row.shape, max(seconds_per_shape.values(), default=30)):
             results[row.name] = {"error": f"skipped: {left:.0f} s left before the deadline"}
             print(f"[bench] {row.name}: skipped ({left:.0f} s left)", flush=True)
             continue
         row_start = time.monotonic()
-        model_dir = args.work / "models" / row.shape
-        output_dir = args.work / "runs" / row.name.replace(" ", "-")
-        overrides = row_config(row, model_dir, args, output_dir)
-        if not list(model_dir.glob("*.safetensors")):
-            make(row.shape, model_dir, config_only=True)
-        cfg = load_config(ROOT / row.config, overrides)
-        # Planned before any weights exist here: on CPU the plan counts this process's resident memory as
-        # the run's baseline, as `lmppo ppo` does at its start.
-        plan = memory_plan(cfg)
-        if not list(model_dir.glob("*.safetensors")):
-            # bf16 files halve the 3B's write on a GPU; fp32 on CPU, as real checkpoints are (the mapped
-            # file counts in the peak RSS the plan is checked against there)
-            dtype = "bfloat16" if args.device == "cuda" else "float32"
-            make(row.shape, model_dir, device=args.device, dtype=dtype)
-            if args.device == "cuda":
-                torch.cuda.empty_cache()  # the child process needs the memory the model took here
-        command = [
-            sys.executable,
-            "-m",
-            "lmppo",
-            "ppo",
-            str(ROOT / row.config),
-            *overrides,
-            "--quiet",
-            "--force",
-        ]
-        error = run_steps(command, output_dir / "metrics.jsonl", args.steps, timeout=left)
-        if error:
-            results[row.name] = {"error": error}
-        else:
-            results[row.name] = summarise(
-                read_metrics(output_dir), cfg, parameter_counts(cfg), plan.peak, peak_tflops
-            )
-        seconds_per_row.append(time.monotonic() - row_start)
-        print(f"[bench] {row.name}: {seconds_per_row[-1]:.0f} s {json.dumps(results[row.name])}", flush=True)
+        results[row.name] = run_row(row, args, peak_tflops, timeout=left)
+        seconds_per_shape[row.shape] = time.monotonic() - row_start
+        print(
+            f"[bench] {row.name}: {seconds_per_shape[row.shape]:.0f} s {json.dumps(results[row.name])}",
+            flush=True,
+        )
         write_results(args, results, device_name, peak_tflops)
     print(table(results, device_name, peak_tflops), flush=True)
     print(json.dumps(report(args, results, device_name, peak_tflops)))
+
+
+def run_row(row: Row, args, peak_tflops: float | None, timeout: float) -> dict:
+    """One row: its random model (made once per shape), its plan, then `lmppo ppo` until its steps are
+    logged; the figures, or the error."""
+    import torch
+
+    from lmppo.config import load_config
+    from lmppo.metrics import read_metrics
+    from lmppo.plan import memory_plan
+
+    model_dir = args.work / "models" / row.shape
+    output_dir = args.work / "runs" / row.name.replace(" ", "-")
+    overrides = row_config(row, model_dir, args, output_dir)
+    if not list(model_dir.glob("*.safetensors")):
+        make(row.shape, model_dir, config_only=True)
+    cfg = load_config(ROOT / row.config, overrides)
+    # Planned before any weights exist here: on CPU the plan counts this process's resident memory as
+    # the run's baseline, as `lmppo ppo` does at its start.
+    plan = memory_plan(cfg)
+    if not list(model_dir.glob("*.safetensors")):
+        # bf16 files halve the 3B's write on a GPU; fp32 on CPU, as real checkpoints are (the mapped
+        # file counts in the peak RSS the plan is checked against there)
+        make(
+            row.shape, model_dir, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32"
+        )
+        if args.device == "cuda":
+            torch.cuda.empty_cache()  # the child process needs the memory the model took here
+    command = [sys.executable, "-m", "lmppo", "ppo", str(ROOT / row.config), *overrides, "--quiet", "--force"]
+    error = run_steps(command, output_dir / "metrics.jsonl", args.steps, timeout=timeout)
+    if error:
+        return {"error": error}
+    return summarise(read_metrics(output_dir), cfg, parameter_counts(cfg), plan.peak, peak_tflops)
 
 
 def report(args, results: dict, device_name: str, peak_tflops) -> dict:

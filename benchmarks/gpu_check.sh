@@ -39,10 +39,14 @@ if ! "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e . 
   export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$PYTHON" benchmarks/gpu_env.py --require || fail "lmppo's needs are not met (above)"
+"$PYTHON" -m lmppo --help > /dev/null || fail "the lmppo command does not start"
 
 if [ $DRY_RUN = 1 ]; then
-  step "3/4 collect the gpu tests"
+  step "3/4 collect the gpu tests; run the CLI ones on the CPU"
   "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu --collect-only tests/test_gpu.py || fail "the gpu tests do not collect"
+  # the two that need no SmolLM2-sized model run on the CPU: the CLI end to end on the machine's versions
+  LMPPO_GPU_TESTS_DEVICE=cpu "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "resume or eval" \
+    || fail "the gpu tests' CLI runs fail on the CPU"
   step "4/4 the benchmark's rows and their plans"
   "$PYTHON" benchmarks/bench_gpu.py --dry-run --out "$OUT" || fail "bench_gpu.py --dry-run"
   step "dry run passed"

@@ -7,6 +7,7 @@ device (benchmarks/random_models.py): an offline GPU machine cannot take the 93 
 ``LMPPO_GPU_TESTS_DEVICE=cpu`` to run the same checks on the CPU (slowly) before a GPU session.
 """
 
+import gc
 import json
 import os
 import sys
@@ -103,6 +104,7 @@ def test_the_plan_is_within_25_percent_of_max_memory_allocated(smollm2_config):
     from lmppo.plan import CUDA_CONTEXT_BYTES, memory_plan
 
     plan = memory_plan(smollm2_config)
+    gc.collect()  # the earlier tests' models, so that the peak is this step's alone
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     trainer_for(smollm2_config).step()
@@ -114,9 +116,10 @@ def test_the_plan_is_within_25_percent_of_max_memory_allocated(smollm2_config):
 
 @pytest.fixture
 def deterministic(monkeypatch):
-    """Bit-exact runs on a GPU need deterministic kernels (embedding backward uses atomics)."""
+    """Bit-exact runs on a GPU need deterministic kernels (atomic adds make some backward passes differ
+    from run to run). An op without a deterministic kernel warns (its name) instead of failing the run."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=True)
     yield
     torch.use_deterministic_algorithms(False)
 
