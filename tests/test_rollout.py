@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lmppo.core import last_response_index, shaped_rewards, token_logprobs
-from lmppo.errors import LmppoError
+from lmppo.errors import LmppoError, LmppoWarning
 from lmppo.models import ValueModel, apply_lora, trainable_parameters
 from lmppo.rollout import (
     HFGenerator,
@@ -268,7 +268,7 @@ def test_checkpoint_generation_config_never_overrides_ours(policy_tokenizer, pol
 
 
 def test_top_k_warns_and_stores_untruncated_tempered_logprobs(policy_tokenizer, policy_model):
-    with pytest.warns(UserWarning, match="off-policy"):
+    with pytest.warns(LmppoWarning, match="off-policy"):  # shown as one plain `warning:` line
         rollout = generate(policy_model, policy_tokenizer, temperature=0.8, top_k=3, max_new_tokens=12)
     with torch.no_grad():
         logits = response_logits(policy_model, rollout)  # tempered by the rollout's temperature

@@ -361,10 +361,22 @@ def test_resume_past_a_damaged_newest_checkpoint_warns_and_redoes_its_steps(run_
     run_dir = run_files.parent / "run"
     newest = latest_checkpoint(run_dir)
     (newest / "policy.safetensors").write_bytes(b"torn")
-    with pytest.warns(
-        UserWarning, match=r"set aside damaged checkpoint.*step-000002.*resuming from step-000001"
-    ):
-        assert run_cli("ppo", "--resume", str(run_dir), "run.steps=3") == 0
+    resumed = subprocess.run(  # a process of its own: what the user reads on stderr
+        [sys.executable, "-m", "lmppo", "ppo", "--resume", str(run_dir), "run.steps=3"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    warning = "warning: --resume: set aside damaged checkpoint(s)"
+    assert (
+        warning in resumed.stderr
+        and "step-000002" in resumed.stderr
+        and "resuming from step-000001" in resumed.stderr
+    )
+    assert (
+        "UserWarning" not in resumed.stderr and "run.py" not in resumed.stderr
+    )  # no file:line, no source line
     assert (run_dir / "checkpoints" / "damaged-step-000002").is_dir()
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3]  # step 2 trained again, once in the log
 

@@ -1,8 +1,14 @@
-"""The one exception type for user mistakes (bad config, bad data, missing files).
+"""The one exception type for user mistakes (bad config, bad data, missing files), and the one way to
+warn a user.
 
 The CLI prints an ``LmppoError`` as a short paragraph without a traceback; anything else is a bug
-and keeps its traceback. Messages name the thing that is wrong and say how to fix it.
+and keeps its traceback. Messages name the thing that is wrong and say how to fix it. A warning
+(:func:`warn`) reaches the user as one plain line, ``warning: ...``; it still goes through Python's
+``warnings`` machinery, so it can be filtered, turned into an error or caught in a test.
 """
+
+import sys
+import warnings
 
 
 class LmppoError(Exception):
@@ -46,3 +52,26 @@ class Interrupted(LmppoError):
     def __init__(self, message: str, signal_number: int) -> None:
         super().__init__(message)
         self.exit_code = 128 + signal_number
+
+
+class LmppoWarning(UserWarning):
+    """Something a user should know that does not stop the run (see :func:`warn`)."""
+
+
+def warn(message: str) -> None:
+    """Warn the user: shown as ``warning: <message>`` on stderr, not as Python's ``file:line: UserWarning``
+    followed by a line of lmppo's source."""
+    warnings.warn(message, LmppoWarning, stacklevel=2)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    if not issubclass(category, LmppoWarning):
+        return _python_show_warning(message, category, filename, lineno, file, line)
+    try:
+        print(f"warning: {message}", file=file or sys.stderr)
+    except OSError:  # no stderr to write to (a closed pipe): as Python's own does
+        pass
+
+
+_python_show_warning = warnings.showwarning
+warnings.showwarning = _show_warning

@@ -10,7 +10,6 @@ pooling takes the last token that is not the pad id, which reads one token early
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmppo.data import located_jsonl, prompt_of_row
-from lmppo.errors import LmppoError
+from lmppo.errors import LmppoError, warn
 from lmppo.models import ValueModel, load_reward_model, load_tokenizer, with_lora
 from lmppo.scoring import RewardModelScorer
 from lmppo.supervised import fit, merged, pad, trained_parameter_count
@@ -162,10 +161,7 @@ def load_preference_jsonl(path: str | Path) -> list[dict]:
         row["prompt"] = prompt_of_row(row, where)
         (ties if row["chosen"] == row["rejected"] else rows).append(row)
     if ties:
-        warnings.warn(
-            f"{path}: skipped {len(ties)} pairs whose chosen and rejected responses are identical",
-            stacklevel=2,
-        )
+        warn(f"{path}: skipped {len(ties)} pairs whose chosen and rejected responses are identical")
     if not rows:
         raise LmppoError(
             f"{path} holds no usable preference pairs; each line must be a JSON object {list(PAIR_KEYS)} with "

@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import inspect
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -32,7 +31,7 @@ from transformers.cache_utils import StaticLayer
 
 from lmppo.core import last_response_index, token_logprobs
 from lmppo.data import Prompt, render_query_ids
-from lmppo.errors import LmppoError
+from lmppo.errors import LmppoError, warn
 from lmppo.models import ValueModel, checkpointed_layers, checkpointing, eval_mode, lora_merged, unwrap_model
 
 # --------------------------------------------------------------------------------------------------
@@ -523,12 +522,11 @@ class HFGenerator:
         self.truncate_prompts = truncate_prompts
         self.max_prompt_length = self._prompt_limit(max_prompt_length)
         if top_k > 0 or top_p < 1.0:
-            warnings.warn(
+            warn(
                 f"top_k={top_k} / top_p={top_p}: tokens are drawn from the truncated distribution but logp_old "
                 "and the update's log-probs are of the untruncated tempered one, so the first ratio is 1 while "
                 "the samples are slightly off-policy for the distribution PPO optimises (rare tokens are "
-                "never drawn).",
-                stacklevel=2,
+                "never drawn)."
             )
 
     def _prompt_limit(self, max_prompt_length: int | None) -> int | None:

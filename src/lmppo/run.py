@@ -10,7 +10,6 @@ import os
 import random
 import signal
 import threading
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,7 +47,7 @@ from lmppo.distributed import (
     seed_everything,
     whole_group,
 )
-from lmppo.errors import GuardAbort, Interrupted, LmppoError, UserCodeError
+from lmppo.errors import GuardAbort, Interrupted, LmppoError, UserCodeError, warn
 from lmppo.evaluate import run_evaluator
 from lmppo.guards import Guards, held_out_score
 from lmppo.metrics import METRICS_FILE, MetricsLogger, ProgressDisplay, read_metrics, reduce_metrics
@@ -398,11 +397,10 @@ def _checkpoint_to_resume(run_dir: Path, resume: bool, dist_info: DistInfo) -> C
             resumed = (
                 f"resuming from {checkpoint.path.name}" if checkpoint else "no intact checkpoint is left"
             )
-            warnings.warn(
+            warn(
                 f"--resume: set aside damaged checkpoint(s) in {run_dir / CHECKPOINTS_DIR} (renamed damaged-*, "
                 f"kept for inspection): {'; '.join(damaged)}. The steps after the one resumed from are lost and "
-                f"are trained again; {resumed}.",
-                stacklevel=2,
+                f"are trained again; {resumed}."
             )
         if checkpoint is None:
             raise LmppoError(

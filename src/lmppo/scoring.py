@@ -13,7 +13,6 @@ import importlib
 import importlib.util
 import math
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmppo.core import masked_mean, masked_var
 from lmppo.data import Prompt, as_messages, encode_chat, render_chat
-from lmppo.errors import LmppoError, user_code_error
+from lmppo.errors import LmppoError, user_code_error, warn
 from lmppo.models import ValueModel, eval_mode
 from lmppo.rollout import token_budget_groups
 
@@ -103,10 +102,7 @@ class RewardModelScorer:
         rows = [self.render(p, r) for p, r in zip(prompts, responses, strict=True)]
         too_long = sum(self.max_length is not None and len(ids) > self.max_length for ids in rows)
         if too_long:
-            warnings.warn(
-                f"{too_long} reward-model inputs exceed {self.max_length} tokens; keeping their last tokens",
-                stacklevel=2,
-            )
+            warn(f"{too_long} reward-model inputs exceed {self.max_length} tokens; keeping their last tokens")
             rows = [ids[-self.max_length :] for ids in rows]
         if not rows:
             return torch.zeros(0)

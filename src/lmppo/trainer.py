@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import resource
 import time
-import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -41,7 +40,7 @@ from lmppo.distributed import (
     shard_like,
     whole_group,
 )
-from lmppo.errors import LmppoError
+from lmppo.errors import LmppoError, warn
 from lmppo.metrics import timed
 from lmppo.models import LoraReference, autocast, decoder_layers, resolve_precision, trainable_parameters
 from lmppo.rollout import (
@@ -685,11 +684,10 @@ class PPOTrainer:
         """This rank's generators from the checkpoint; re-seeded when it was written by another world size."""
         saved_world = len(per_rank_json)
         if saved_world != self.world_size:  # check_compatible refused this unless --allow-config-change
-            warnings.warn(
+            warn(
                 f"the checkpoint was written by {saved_world} ranks and this run has {self.world_size}: weights, "
                 "optimizer, schedule, KL controller and data position carry over, but each rank's sampling "
-                "and shuffling generators start afresh, so the run does not continue bit for bit",
-                stacklevel=2,
+                "and shuffling generators start afresh, so the run does not continue bit for bit"
             )
             seed = rank_seed(self.cfg.run.seed + step, self.rank)  # not the streams the run started with
             seed_everything(seed)
