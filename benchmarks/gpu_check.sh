@@ -54,7 +54,7 @@ if [ $DRY_RUN = 1 ]; then
 fi
 
 step "3/4 pytest -m gpu"
-timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA --durations=0 \
+CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -rA --durations=0 \
   --junitxml="$OUT/gpu_tests.xml"
 tests=$?
 step "tests exited $tests"
