@@ -324,11 +324,12 @@ def checkpointing(layers: list[nn.Module]) -> Iterator[None]:
             layer.training = False
 
 
-def resolve_device(name: str) -> torch.device:
-    """``run.device``: auto picks CUDA when a device is visible."""
+def resolve_device(name: str, *, present: bool = True) -> torch.device:
+    """``run.device``: auto picks CUDA when a device is visible. ``present=False`` for a plan, which may be
+    made for a CUDA device this machine does not have."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+    if name == "cuda" and present and not torch.cuda.is_available():
         raise LmppoError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
     return torch.device(name)
 

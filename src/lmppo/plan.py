@@ -30,6 +30,7 @@ from lmppo.models import (
     ValueModel,
     load_model_config,
     load_tokenizer,
+    resolve_device,
     resolve_precision,
     resolve_source,
     weight_files,
@@ -405,12 +406,6 @@ def _gathered_bytes(
 # --------------------------------------------------------------------------------------------------
 
 
-def planned_device(cfg: Config) -> str:
-    if cfg.run.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.run.device
-
-
 def process_rss() -> int:
     """Resident bytes of this process now (Linux ``/proc``; else the peak so far)."""
     try:
@@ -449,7 +444,7 @@ def memory_plan(
     (default: what this machine's device has free now); ``prompt_tokens`` defaults to the longest
     rendered prompt of ``data.prompts``."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    device = device or planned_device(cfg)
+    device = device or resolve_device(cfg.run.device, present=False).type
     precision = resolve_precision(cfg.run.precision, torch.device(device))
     rows, shapes, conversion = model_rows(cfg, precision)
     if cfg.distributed.strategy == "fsdp2" and world_size > 1:
