@@ -23,8 +23,8 @@ from lmppo.checkpoint import (
 from lmppo.config import load_config
 from lmppo.errors import LmppoError
 from lmppo.metrics import read_metrics
-from lmppo.models import resolve_device
 from lmppo.run import ptx_batches
+from lmppo.spec import resolve_device
 
 
 def test_ptx_batches_are_a_seeded_stream_of_demonstrations_per_rank(run_files, policy_tokenizer):

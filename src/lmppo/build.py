@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmppo.config import Config, ModelSource, RewardComponent, RewardConfig, RewardSource
+from lmppo.config import Config, RewardComponent, RewardConfig, RewardSource
 from lmppo.errors import LmppoError
 from lmppo.models import (
     ValueModel,
@@ -22,7 +22,6 @@ from lmppo.models import (
     load_tokenizer,
     make_reference,
     model_identity,
-    resolve_precision,
     resolve_source,
     with_lora,
 )
@@ -35,6 +34,7 @@ from lmppo.scoring import (
     ScoreTransform,
     load_reward_function,
 )
+from lmppo.spec import check_value_source, policy_spec, resolve_precision, settled_dtype
 
 
 @dataclass
@@ -64,22 +64,6 @@ class LoadedReward:
     def first_model(self) -> ScoredComponent | None:
         """The first learned component (a critic may start from its network)."""
         return next((c for c in self.reward.components if c.model is not None), None)
-
-
-def settled_dtype(section: ModelSource, where: str, *, precision: str, trained: bool) -> ModelSource:
-    """``section`` with its weights' dtype decided: unset means bfloat16 for frozen weights under bf16
-    and float32 otherwise. Trained weights are fp32 masters (bf16 Adam updates round away small steps),
-    so an explicit 16-bit dtype on fully trained weights is refused."""
-    if section.dtype is None:
-        dtype = "bfloat16" if precision == "bf16" and not trained else "float32"
-        return section.model_copy(update={"dtype": dtype})
-    if trained and section.dtype != "float32":
-        raise LmppoError(
-            f"{where}.dtype={section.dtype} would train every weight in 16 bits, with no fp32 master copy "
-            f"for Adam's small updates; remove {where}.dtype (run.precision=bf16 computes in bf16 and keeps "
-            "fp32 weights), or train LoRA adapters on the 16-bit base (models.policy_lora.enabled=true)"
-        )
-    return section
 
 
 def score_transform(source: RewardSource) -> ScoreTransform:
@@ -135,12 +119,7 @@ def load_value_model(cfg: Config, policy: nn.Module, reward: LoadedReward, token
     if v.mode == "shared":
         return ValueModel.shared_trunk(policy).to(device)
     if v.init_from == "reward":
-        learned = reward.first_model()
-        if learned is None:
-            raise LmppoError(
-                "models.value.init_from=reward needs a reward model (reward.model, or a learned reward component); "
-                "with a programmatic reward use models.value.init_from=policy"
-            )
+        learned = reward.first_model()  # there is one: check_value_source ran before any load
         if learned.score.tokenizer.get_vocab() != tokenizer.get_vocab():
             raise LmppoError(
                 f"models.value.init_from=reward: the critic reads the policy's token ids, but the reward model "
@@ -155,13 +134,6 @@ def load_value_model(cfg: Config, policy: nn.Module, reward: LoadedReward, token
     return with_lora(value, v.lora).to(device)
 
 
-def policy_spec(cfg: Config, precision: str) -> ModelSource:
-    """``models.policy`` with its dtype settled: fp32 when all of it is trained, by precision under LoRA."""
-    return settled_dtype(
-        cfg.models.policy, "models.policy", precision=precision, trained=not cfg.models.policy_lora.enabled
-    )
-
-
 def load_policy(cfg: Config, precision: str, device: torch.device | str = "cpu") -> nn.Module:
     """The starting policy: ``models.policy`` with the LoRA adapters of ``models.policy_lora``, if any."""
     return with_lora(load_causal_lm(policy_spec(cfg, precision)).to(device), cfg.models.policy_lora)
@@ -173,6 +145,7 @@ def load_models(cfg: Config, device: torch.device) -> PPOModels:
     The order is fixed: LoRA adapters and fresh heads draw their initial weights from the global RNG.
     Weights' dtypes follow ``run.precision`` (:func:`settled_dtype`).
     """
+    check_value_source(cfg)
     m = cfg.models
     precision = resolve_precision(cfg.run.precision, device)
     spec = policy_spec(cfg, precision)

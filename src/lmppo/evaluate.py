@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from lmppo.build import generator_options, load_reward, settled_dtype
+from lmppo.build import generator_options, load_reward
 from lmppo.config import ModelSource, load_config
 from lmppo.core import kl_estimate
 from lmppo.data import Prompt, load_demonstrations, load_prompts
@@ -40,12 +40,11 @@ from lmppo.models import (
     eval_mode,
     load_causal_lm,
     load_tokenizer,
-    resolve_device,
-    resolve_precision,
 )
 from lmppo.rollout import HFGenerator, Rollout, sequence_logprobs
 from lmppo.scoring import RewardFunction, load_function
 from lmppo.sft import response_nll_sum
+from lmppo.spec import resolve_device, resolve_precision, settled_dtype
 
 GoldJudge = Callable[[Prompt, str], float]  # (prompt, response text) -> score, e.g. lmppo.toy.task.gold_score
 EVAL_FILE = "eval.json"

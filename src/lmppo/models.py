@@ -324,16 +324,6 @@ def checkpointing(layers: list[nn.Module]) -> Iterator[None]:
             layer.training = False
 
 
-def resolve_device(name: str, *, present: bool = True) -> torch.device:
-    """``run.device``: auto picks CUDA when a device is visible. ``present=False`` for a plan, which may be
-    made for a CUDA device this machine does not have."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and present and not torch.cuda.is_available():
-        raise LmppoError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
-    return torch.device(name)
-
-
 def keep_freed_heap_memory() -> bool:
     """On Linux with glibc, keep memory that torch frees for its next tensors instead of returning it.
 
@@ -349,16 +339,6 @@ def keep_freed_heap_memory() -> bool:
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
     return bool(libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1))
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """``run.precision`` for this device: ``auto`` is bf16 on a CUDA device with bf16 support (assumed for
-    one that is planned for but not present), else fp32 (CPUs without AMX run bf16 matmuls no faster)."""
-    if precision != "auto":
-        return precision
-    if device.type != "cuda":
-        return "fp32"
-    return "bf16" if not torch.cuda.is_available() or torch.cuda.is_bf16_supported() else "fp32"
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:

@@ -21,7 +21,6 @@ from rich.console import Group
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from lmppo.build import settled_dtype
 from lmppo.config import Config, ModelSource, load_config
 from lmppo.data import load_prompts, render_query_ids
 from lmppo.errors import LmppoError
@@ -30,12 +29,11 @@ from lmppo.models import (
     ValueModel,
     load_model_config,
     load_tokenizer,
-    resolve_device,
-    resolve_precision,
     resolve_source,
     weight_files,
     with_lora,
 )
+from lmppo.spec import check_value_source, resolve_device, resolve_precision, settled_dtype
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = GIB // 2  # the CUDA context and kernels: outside torch's allocator
@@ -210,6 +208,7 @@ def conversion_bytes(spec: ModelSource) -> int:
 def model_rows(cfg: Config, precision: str) -> tuple[list[ModelRow], dict[str, Shape], int]:
     """The four models' rows (parameters, dtype, trained share), the shapes of the policy and critic, and
     the largest conversion a load does (:func:`conversion_bytes`)."""
+    check_value_source(cfg)
     m = cfg.models
     lora = m.policy_lora.enabled
     policy_spec = settled_dtype(m.policy, "models.policy", precision=precision, trained=not lora)
@@ -253,11 +252,6 @@ def model_rows(cfg: Config, precision: str) -> tuple[list[ModelRow], dict[str, S
         head = ValueModel.shared_trunk(policy).head
         rows.append(_row("value", head.weight.numel() + head.bias.numel(), None, "float32", "shared trunk"))
     else:
-        if v.init_from == "reward" and reward_model is None:
-            raise LmppoError(
-                "models.value.init_from=reward needs a reward model (reward.model, or a learned reward component); "
-                "with a programmatic reward use models.value.init_from=policy"
-            )
         if v.init_from == "reward":
             value, base_dtype = ValueModel.from_reward_model(reward_model), reward_dtype
             shapes["value"] = reward_shape

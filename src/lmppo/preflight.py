@@ -28,11 +28,12 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from lmppo.build import generator_options, load_policy, load_reward, policy_spec
+from lmppo.build import generator_options, load_policy, load_reward
 from lmppo.data import Prompt, load_prompts, prompt_slices
 from lmppo.diagnose import Finding, reward_bias
 from lmppo.evaluate import evaluate_policy
-from lmppo.models import autocast, load_tokenizer, resolve_device, resolve_precision
+from lmppo.models import autocast, load_tokenizer
+from lmppo.spec import policy_spec, resolve_device, resolve_precision
 
 PREFLIGHT_FILE = "preflight.json"
 N_EXAMPLES = 3  # highest and lowest scored samples kept for reading

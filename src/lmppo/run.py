@@ -51,10 +51,11 @@ from lmppo.errors import GuardAbort, Interrupted, LmppoError, UserCodeError, war
 from lmppo.evaluate import run_evaluator
 from lmppo.guards import Guards, held_out_score
 from lmppo.metrics import METRICS_FILE, MetricsLogger, ProgressDisplay, read_metrics, reduce_metrics
-from lmppo.models import keep_freed_heap_memory, resolve_device, resolve_precision
+from lmppo.models import keep_freed_heap_memory
 from lmppo.plan import check_plan
 from lmppo.preflight import Preflight, run_preflight, summary_line, write_preflight_json
 from lmppo.sft import sft_batch
+from lmppo.spec import resolve_device, resolve_precision
 from lmppo.trainer import PPOTrainer
 
 Evaluator = Callable[[], dict[str, float]]  # held-out eval/* metrics of the current policy

@@ -42,7 +42,7 @@ from lmppo.distributed import (
 )
 from lmppo.errors import LmppoError, warn
 from lmppo.metrics import timed
-from lmppo.models import LoraReference, autocast, decoder_layers, resolve_precision, trainable_parameters
+from lmppo.models import LoraReference, autocast, decoder_layers, trainable_parameters
 from lmppo.rollout import (
     Generator,
     PolicyAndValue,
@@ -55,6 +55,7 @@ from lmppo.rollout import (
     value_predictions,
 )
 from lmppo.scoring import CombinedReward, ScoredComponent
+from lmppo.spec import resolve_precision
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
