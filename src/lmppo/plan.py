@@ -33,7 +33,7 @@ from lmppo.models import (
     weight_files,
     with_lora,
 )
-from lmppo.spec import check_value_source, resolve_device, resolve_precision, settled_dtype
+from lmppo.spec import check_value_source, policy_spec, resolve_device, resolve_precision, settled_dtype
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = GIB // 2  # the CUDA context and kernels: outside torch's allocator
@@ -211,20 +211,20 @@ def model_rows(cfg: Config, precision: str) -> tuple[list[ModelRow], dict[str, S
     check_value_source(cfg)
     m = cfg.models
     lora = m.policy_lora.enabled
-    policy_spec = settled_dtype(m.policy, "models.policy", precision=precision, trained=not lora)
-    policy_config = load_model_config(policy_spec)
+    policy_source = policy_spec(cfg, precision)
+    policy_config = load_model_config(policy_source)
     policy = with_lora(_meta_model(policy_config), m.policy_lora)
     params, trained = _counts(policy)
-    rows = [_row("policy", params, trained, policy_spec.dtype, f"LoRA r{m.policy_lora.r}" if lora else "")]
+    rows = [_row("policy", params, trained, policy_source.dtype, f"LoRA r{m.policy_lora.r}" if lora else "")]
     shapes = {"policy": Shape.of(policy_config)}
-    conversions = [conversion_bytes(policy_spec)]
+    conversions = [conversion_bytes(policy_source)]
 
     if m.reference is not None:
         spec = settled_dtype(m.reference, "models.reference", precision=precision, trained=False)
         rows.append(_row("reference", _counts(_meta_model(load_model_config(spec)))[0], 0, spec.dtype))
         conversions.append(conversion_bytes(spec))
     elif lora:
-        rows.append(_row("reference", 0, 0, policy_spec.dtype, "= policy base"))
+        rows.append(_row("reference", 0, 0, policy_source.dtype, "= policy base"))
     else:
         rows.append(_row("reference", params, 0, "bfloat16" if precision == "bf16" else "float32", "a copy"))
 
@@ -256,7 +256,7 @@ def model_rows(cfg: Config, precision: str) -> tuple[list[ModelRow], dict[str, S
             value, base_dtype = ValueModel.from_reward_model(reward_model), reward_dtype
             shapes["value"] = reward_shape
         else:
-            value, base_dtype = ValueModel.from_causal_lm(policy), policy_spec.dtype
+            value, base_dtype = ValueModel.from_causal_lm(policy), policy_source.dtype
             shapes["value"] = shapes["policy"]
         value = with_lora(value, v.lora)
         value_params, value_trained = _counts(value)
@@ -307,18 +307,7 @@ def phase_bytes(
     length = prompt_tokens + response
     by_role = {row.role: row for row in rows}
 
-    # Rollout: the static KV cache of the whole batch, one layer's prefill working set, the sampling logits.
-    if cfg.rollout.engine == "vllm":
-        rollout = cfg.rollout.vllm_kv_cache_gb * GIB + by_role["policy"].parameters * act  # its own weights
-        rollout_how = f"vLLM: {cfg.rollout.vllm_kv_cache_gb} GiB KV cache + its weights"
-    else:
-        kv = 2 * policy.layers * policy.kv_width * act * batch * length
-        rollout = kv + batch * prompt_tokens * policy.working_per_token(act) + batch * policy.vocab * 16
-        rollout_how = f"KV cache of {batch} x {length} tokens: {size(kv)}"
-        if cfg.models.policy_lora.enabled and precision == "fp32" and by_role["policy"].shards == 1:
-            merged = 4 * policy.adapted_weights(cfg.models.policy_lora.target_modules)
-            rollout += merged  # the decode loop's folded copy of the adapted weights (models.lora_merged)
-            rollout_how += f" + LoRA folded into a copy of the adapted weights: {size(merged)}"
+    rollout, rollout_how = _rollout_bytes(cfg, by_role, policy, precision, batch, prompt_tokens)
 
     # Stored passes (no gradients): logits of a forward batch (compute dtype + fp32 copy + log-softmax).
     if cfg.rollout.forward_batch_tokens:
@@ -373,6 +362,26 @@ def phase_bytes(
         "update": how,
     }
     return phases, details
+
+
+def _rollout_bytes(
+    cfg: Config, by_role: dict[str, ModelRow], policy: Shape, precision: str, batch: int, prompt_tokens: int
+) -> tuple[int, str]:
+    """The rollout on one rank: the static KV cache of the whole batch, one layer's prefill working set and
+    the sampling logits (or vLLM's own cache and weights), and how it was sized."""
+    act = 2 if precision == "bf16" else 4
+    length = prompt_tokens + cfg.rollout.max_new_tokens
+    if cfg.rollout.engine == "vllm":
+        rollout = cfg.rollout.vllm_kv_cache_gb * GIB + by_role["policy"].parameters * act  # its own weights
+        return rollout, f"vLLM: {cfg.rollout.vllm_kv_cache_gb} GiB KV cache + its weights"
+    kv = 2 * policy.layers * policy.kv_width * act * batch * length
+    rollout = kv + batch * prompt_tokens * policy.working_per_token(act) + batch * policy.vocab * 16
+    rollout_how = f"KV cache of {batch} x {length} tokens: {size(kv)}"
+    if cfg.models.policy_lora.enabled and precision == "fp32" and by_role["policy"].shards == 1:
+        merged = 4 * policy.adapted_weights(cfg.models.policy_lora.target_modules)
+        rollout += merged  # the decode loop's folded copy of the adapted weights (models.lora_merged)
+        rollout_how += f" + LoRA folded into a copy of the adapted weights: {size(merged)}"
+    return rollout, rollout_how
 
 
 def _gathered_bytes(

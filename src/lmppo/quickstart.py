@@ -100,6 +100,26 @@ def train_toy_reward_model(policy, world: ToyWorld, stage: TrainingStage, seed: 
     return rm, rm_tokenizer, stats
 
 
+def prepare_world(
+    out_dir: Path, models_dir: Path, *, reuse: bool, seed: int, fast: bool, overrides: list[str]
+) -> tuple[ToyWorld, QuickstartConfig]:
+    """Stage 1: the toy world (built afresh, or with ``reuse`` the one whose models ``models_dir`` holds)
+    and the config."""
+    if (out_dir / "ppo").exists():
+        raise LmppoError(f"{out_dir} already holds a quickstart run; remove it or pass --out NEW_DIR")
+    if reuse and not (models_dir / "ppo" / "rm_eval.json").is_file():
+        raise LmppoError(f"{models_dir} holds no finished quickstart to reuse; run one there first")
+    with console.status("[1/6] building the toy world: tokenizers, tiny Llamas, data"):
+        if not reuse:
+            world = build_toy_world(out_dir / "world", seed=seed, sizes=FAST_DATA if fast else None)
+        else:  # the same seed's world: its SFT policy and RM were trained on it
+            world = load_toy_world(models_dir / "world")
+        cfg = quickstart_config(out_dir, models_dir, world, [*(FAST_OVERRIDES if fast else ()), *overrides])
+        cfg.ppo_run.run.seed = seed
+    console.print(f"[1/6] toy world in {models_dir / 'world'}")
+    return world, cfg
+
+
 def run_quickstart(
     out_dir: str | Path = "runs/quickstart",
     *,
@@ -114,20 +134,9 @@ def run_quickstart(
     reward model this run reuses (stages 1-3 skipped): PPO settings compared on the same models.
     """
     out_dir, started = Path(out_dir), time.perf_counter()
-    if (out_dir / "ppo").exists():
-        raise LmppoError(f"{out_dir} already holds a quickstart run; remove it or pass --out NEW_DIR")
     models_dir = Path(models_from) if models_from is not None else out_dir
-    if models_from is not None and not (models_dir / "ppo" / "rm_eval.json").is_file():
-        raise LmppoError(f"{models_dir} holds no finished quickstart to reuse; run one there first")
-
-    with console.status("[1/6] building the toy world: tokenizers, tiny Llamas, data"):
-        if models_from is None:
-            world = build_toy_world(out_dir / "world", seed=seed, sizes=FAST_DATA if fast else None)
-        else:  # the same seed's world: its SFT policy and RM were trained on it
-            world = load_toy_world(models_dir / "world")
-        cfg = quickstart_config(out_dir, models_dir, world, [*(FAST_OVERRIDES if fast else ()), *overrides])
-        cfg.ppo_run.run.seed = seed
-    console.print(f"[1/6] toy world in {models_dir / 'world'}")
+    reuse = models_from is not None
+    world, cfg = prepare_world(out_dir, models_dir, reuse=reuse, seed=seed, fast=fast, overrides=overrides)
     if models_from is None:
         rm_eval = train_sft_and_reward_model(out_dir, world, cfg, seed)
     else:
@@ -183,6 +192,12 @@ def run_quickstart(
     console.print("[5/6] held-out evaluation")
     console.print(summary_table(summary))
 
+    finish(run_dir, started, seed, rm_eval, summary)
+    return summary
+
+
+def finish(run_dir: Path, started: float, seed: int, rm_eval: dict, summary: dict) -> None:
+    """Stage 6: the report, and ``quickstart.json`` (minutes, seed, RM accuracy, the evaluation summary)."""
     html = report(run_dir)
     minutes = (time.perf_counter() - started) / 60
     (run_dir / "quickstart.json").write_text(
@@ -192,4 +207,3 @@ def run_quickstart(
         )
     )
     console.print(f"[6/6] report: {html}\nquickstart took {minutes:.1f} min")
-    return summary

@@ -74,6 +74,21 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
     return multiplier
 
 
+def nonfinite_count(rm_score_raw, logp_ref, values, mask, group) -> float:
+    """Non-finite scores, reference log-probs and values (on response tokens) over all ranks' rows."""
+    return all_sum(
+        sum(
+            (~torch.isfinite(t)).sum().double()
+            for t in (
+                rm_score_raw,
+                torch.where(mask.bool(), logp_ref, 0.0),
+                torch.where(mask.bool(), values, 0.0),
+            )
+        ),
+        group,
+    ).item()
+
+
 class PPOTrainer:
     """PPO on a policy, a frozen reference, a reward and a critic; :meth:`step` is one iteration:
 
@@ -388,17 +403,7 @@ class PPOTrainer:
                 "adv/std": adv_std.item(),
                 "value/explained_var": core.explained_variance(values, returns, mask, group).item(),
                 "lag/rollout_age_s": time.time() - rollout.created_at,
-                "health/nonfinite": all_sum(
-                    sum(
-                        (~torch.isfinite(t)).sum().double()
-                        for t in (  # all ranks
-                            rm_score_raw,
-                            torch.where(mask.bool(), logp_ref, 0.0),
-                            torch.where(mask.bool(), values, 0.0),
-                        )
-                    ),
-                    group,
-                ).item(),
+                "health/nonfinite": nonfinite_count(rm_score_raw, logp_ref, values, mask, group),
             }
         )
         return stats
