@@ -307,6 +307,9 @@ def test_freed_heap_memory_is_reused_without_page_faults():
     words = 64 * 2**20 // 4  # 64 MiB: 16,384 pages, each faulted again if it went back to the kernel
     for _ in range(2):  # the heap grows to hold it (glibc's default would unmap it on every free)
         torch.ones(words).sum()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.ones(words).sum()
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 1000
+    refaulted = []  # pytest's own allocations can land between two of ours: the steady state is the least
+    for _ in range(3):
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.ones(words).sum()
+        refaulted.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+    assert min(refaulted) < 1000, refaulted
