@@ -145,8 +145,10 @@ def trainable_parameters(config: Path, overrides: list[str]) -> int:
     """Policy + separate critic parameters the run trains (what DDP all-reduces)."""
     from lmppo.build import load_models
     from lmppo.config import load_config
+    from lmppo.resolve import resolve
 
-    models = load_models(load_config(config, overrides), torch.device("cpu"))
+    cfg = load_config(config, overrides)
+    models = load_models(cfg, resolve(cfg, device="cpu"))
     params = {id(p): p for m in (models.policy, models.value) for p in m.parameters() if p.requires_grad}
     return sum(p.numel() for p in params.values())
 

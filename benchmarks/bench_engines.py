@@ -26,10 +26,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch
 
-from lmppo.build import build_generator, load_models
+from lmppo.build import build_generator, build_trainer, load_models
 from lmppo.config import load_config
 from lmppo.distributed import seed_everything
-from lmppo.trainer import PPOTrainer
+from lmppo.resolve import resolve
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -111,8 +111,9 @@ def measure(name: str, model_dir: Path, args) -> dict:
     for engine in ("hf", "vllm", "vllm-lora") if name == "smollm2" else ("hf", "vllm"):
         cfg = config_for(name, model_dir, args, engine, args.work_dir / f"run-{name}-{engine}")
         seed_everything(0)
-        models = load_models(cfg, torch.device("cpu"))
-        generator = build_generator(cfg, models)
+        spec = resolve(cfg, device="cpu")
+        models = load_models(cfg, spec)
+        generator = build_generator(cfg, spec, models)
         sync_s = []  # first, so that a LoRA-synced engine generates with its adapter applied
         if engine != "hf":
             for _ in range(args.repeats):
@@ -125,7 +126,7 @@ def measure(name: str, model_dir: Path, args) -> dict:
             rollout = generator.generate(prompts, policy_version=0)
             gen_s.append(time.perf_counter() - started)
             tokens = rollout.response_ids.numel()
-        trainer = PPOTrainer(cfg, models, prompts * 4, generator=generator)
+        trainer = build_trainer(cfg, spec, models, prompts * 4, generator=generator)
         steps = [trainer.step() for _ in range(args.steps)][1:]
         results[engine] = {
             "generation_tokens_per_s": round(tokens / statistics.median(gen_s), 1),

@@ -27,13 +27,13 @@ PROMPT = "What is the capital of France?"
 def worker(args) -> dict:
     import torch
 
-    from lmppo.build import load_models
+    from lmppo.build import build_trainer, load_models
     from lmppo.config import load_config
     from lmppo.distributed import seed_everything
     from lmppo.models import cache_gguf_as_transformers
     from lmppo.plan import memory_plan
+    from lmppo.resolve import resolve
     from lmppo.rollout import Rollout
-    from lmppo.trainer import PPOTrainer
 
     sys.path.insert(0, str(ROOT / "tests"))
     from test_smollm2 import CACHE_DIR, smollm2_gguf
@@ -57,8 +57,8 @@ def worker(args) -> dict:
     )
     plan = memory_plan(cfg)  # as `lmppo ppo` does: before any model is loaded
     seed_everything(0)
-    models = load_models(cfg, torch.device("cpu"))
-    trainer = PPOTrainer(cfg, models, [PROMPT] * args.rows)
+    spec = resolve(cfg, device="cpu")
+    trainer = build_trainer(cfg, spec, load_models(cfg, spec), [PROMPT] * args.rows)
     query = torch.tensor([trainer.generator.render(PROMPT)] * args.rows)
     response = torch.randint(100, 1000, (args.rows, args.response))  # ordinary tokens: no stop, all counted
     rollout = Rollout(
@@ -75,7 +75,7 @@ def worker(args) -> dict:
         temperature=0.7,
     )
     zeros = torch.zeros(args.rows, args.response)
-    rollout.extras.update(advantages=torch.randn(args.rows, args.response), values=zeros, returns=zeros)
+    rollout.advantages, rollout.values, rollout.returns = torch.randn(args.rows, args.response), zeros, zeros
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     started = time.perf_counter()
     with trainer.autocast():

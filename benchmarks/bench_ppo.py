@@ -224,11 +224,12 @@ def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], lis
     import torch
 
     from lmppo import trainer as trainer_module
-    from lmppo.build import load_models
+    from lmppo.build import build_trainer, load_models
     from lmppo.config import load_config
     from lmppo.data import load_prompts
     from lmppo.distributed import seed_everything
     from lmppo.models import keep_freed_heap_memory
+    from lmppo.resolve import resolve
 
     setup = setup_of(args.size, args.worker)
     base = {
@@ -255,8 +256,8 @@ def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], lis
     cfg = load_config(base=merged(base, variant))
     keep_freed_heap_memory()  # as `lmppo ppo` does on CPU
     seed_everything(cfg.run.seed)
-    models = load_models(cfg, torch.device("cpu"))
-    trainer = trainer_module.PPOTrainer(cfg, models, load_prompts(cfg.data.prompts))
+    spec = resolve(cfg, device="cpu")
+    trainer = build_trainer(cfg, spec, load_models(cfg, spec), load_prompts(cfg.data.prompts))
 
     lengths: list[tuple[int, int]] = []  # (prompt, response) tokens of every row generated
     generate = trainer.generator.generate
@@ -281,7 +282,7 @@ def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], lis
         trainer.step()
         step_seconds.append(time.perf_counter() - start)
         phases.append(clock.take())
-    return step_seconds, phases, lengths, sum(p.numel() for p in models.policy.parameters())
+    return step_seconds, phases, lengths, sum(p.numel() for p in trainer.policy.parameters())
 
 
 def trl_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[dict], list, int]:

@@ -18,10 +18,11 @@ import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from lmppo.build import PPOModels
+from lmppo.build import build_trainer
 from lmppo.config import load_config
 from lmppo.distributed import seed_everything
-from lmppo.models import ValueModel, make_reference
+from lmppo.models import PPOModels, ValueModel, make_reference
+from lmppo.resolve import resolve
 from lmppo.scoring import load_reward_function
 from lmppo.trainer import PPOTrainer
 
@@ -174,7 +175,8 @@ def toy_trainer(*overrides: str, models: PPOModels | None = None, **kwargs) -> P
         ],
     )
     seed_everything(cfg.run.seed)
-    return PPOTrainer(cfg, models or toy_models(), PROMPTS * 4, **kwargs)
+    spec = resolve(cfg, device="cpu", world_size=kwargs.pop("world_size", 1))
+    return build_trainer(cfg, spec, models or toy_models(), PROMPTS * 4, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------

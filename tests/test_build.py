@@ -9,7 +9,12 @@ from helpers import COUNT_GOOD
 from lmppo.build import generator_options, load_models, load_reward, load_value_model
 from lmppo.config import load_config
 from lmppo.errors import LmppoError
+from lmppo.resolve import resolve
 from lmppo.rollout import HFGenerator
+
+
+def cpu_models(cfg):
+    return load_models(cfg, resolve(cfg, device="cpu"))
 
 
 def test_generator_options_are_every_setting_the_generator_takes(run_files):
@@ -45,7 +50,7 @@ def test_generator_options_are_every_setting_the_generator_takes(run_files):
 
 
 def test_load_models_records_each_models_identity(run_files):
-    models = load_models(load_config(run_files), torch.device("cpu"))
+    models = cpu_models(load_config(run_files))
     ids = models.identities
     assert list(ids) == ["policy", "reference", "reward", "value"]
     assert ids["policy"]["source"] == str(run_files.parent / "policy") and ids["policy"]["weights_sha256"]
@@ -62,7 +67,7 @@ def test_a_reward_model_is_scored_with_its_own_tokenizer_and_identified(
     make_reward_model(reward_tokenizer).save_pretrained(tmp_path / "rm")
     reward_tokenizer.save_pretrained(tmp_path / "rm")
     cfg = load_config(run_files, [f"reward.model.path={tmp_path / 'rm'}", "reward.function=null"])
-    reward = load_reward(cfg.reward)
+    reward = load_reward(cfg.reward, resolve(cfg).rewards)
     learned = reward.first_model()
     assert learned is not None and learned.score.tokenizer.eos_token == "[EOS]"  # the RM's, not the policy's
     assert reward.identity["role"] == "reward" and reward.identity["tokenizer_sha256"]
@@ -75,15 +80,18 @@ def test_a_critic_from_the_reward_needs_a_reward_model_with_the_policys_vocabula
 ):
     cfg = load_config(run_files, ["models.value.init_from=reward"])
     with pytest.raises(LmppoError, match="needs a reward model.*init_from=policy"):
-        load_models(cfg, torch.device("cpu"))  # refused by lmppo.spec before any model is loaded
-    models = load_models(load_config(run_files), torch.device("cpu"))
+        resolve(cfg)  # refused before any model is loaded
+    models = cpu_models(load_config(run_files))
     # a reward model with its own vocabulary would be fed the policy's token ids: refused, not an IndexError
     make_reward_model(reward_tokenizer).save_pretrained(tmp_path / "rm")
     reward_tokenizer.save_pretrained(tmp_path / "rm")
     rm = [f"reward.model.path={tmp_path / 'rm'}", "reward.function=null"]
     cfg = load_config(run_files, ["models.value.init_from=reward", *rm])
     with pytest.raises(LmppoError, match="own tokenizer with another vocabulary.*init_from=policy"):
-        load_value_model(cfg, models.policy, load_reward(cfg.reward), models.tokenizer, "cpu")
+        spec = resolve(cfg)
+        load_value_model(
+            spec.value, models.policy, load_reward(cfg.reward, spec.rewards), models.tokenizer, "cpu"
+        )
 
 
 def dtypes(module):
@@ -93,7 +101,7 @@ def dtypes(module):
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_bf16_precision_keeps_trained_weights_fp32_and_frozen_weights_bf16(run_files, lora):
     cfg = load_config(run_files, ["run.precision=bf16", f"models.policy_lora.enabled={lora}"])
-    models = load_models(cfg, torch.device("cpu"))
+    models = cpu_models(cfg)
     trained = [p for p in models.policy.parameters() if p.requires_grad]
     assert trained and {p.dtype for p in trained} == {torch.float32}  # fp32 masters for Adam
     frozen_policy = {p.dtype for p in models.policy.parameters() if not p.requires_grad}
@@ -105,5 +113,5 @@ def test_bf16_precision_keeps_trained_weights_fp32_and_frozen_weights_bf16(run_f
 
 
 def test_auto_precision_is_fp32_on_cpu(run_files):
-    models = load_models(load_config(run_files), torch.device("cpu"))
+    models = cpu_models(load_config(run_files))
     assert dtypes(models.policy) == dtypes(models.reference) == {torch.float32}

@@ -18,11 +18,12 @@ import torch
 import yaml
 from helpers import comparable, run_cli, write_config
 
-from lmppo.build import load_models
+from lmppo.build import build_trainer, load_models
 from lmppo.checkpoint import latest_checkpoint, load_checkpoint
 from lmppo.config import load_config
 from lmppo.data import load_prompts
 from lmppo.metrics import read_metrics
+from lmppo.resolve import resolve
 from lmppo.trainer import PPOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +59,8 @@ def smollm2_config(tmp_path_factory):
 
 def trainer_for(cfg) -> PPOTrainer:
     """The example's own training prompts: its judge scores only those."""
-    return PPOTrainer(cfg, load_models(cfg, torch.device(DEVICE)), load_prompts(cfg.data.prompts))
+    spec = resolve(cfg, device=DEVICE)
+    return build_trainer(cfg, spec, load_models(cfg, spec), load_prompts(cfg.data.prompts))
 
 
 def test_a_bf16_step_computes_in_bf16_and_keeps_fp32_masters(smollm2_config):

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import run_cli
 from rich.console import Console
 
@@ -14,6 +13,7 @@ from lmppo import plan as plan_module
 from lmppo.build import load_models
 from lmppo.config import load_config
 from lmppo.plan import memory_plan, plan_report, size
+from lmppo.resolve import resolve
 
 
 def rows_by_role(plan):
@@ -33,7 +33,7 @@ def rows_by_role(plan):
 def test_parameter_counts_are_those_of_the_loaded_models(run_files, overrides):
     cfg = load_config(run_files, overrides)
     rows = rows_by_role(memory_plan(cfg))
-    models = load_models(cfg, torch.device("cpu"))
+    models = load_models(cfg, resolve(cfg, device="cpu"))
     for role, module in (("policy", models.policy), ("value", models.value)):
         params = list(module.parameters())
         trained = sum(p.numel() for p in params if p.requires_grad)
@@ -150,7 +150,7 @@ def test_each_learned_reward_component_has_its_row_and_a_critic_starts_from_the_
     cfg = load_config(run_files, ["models.value.init_from=reward"])
     cfg = cfg.model_copy(update={"reward": type(cfg.reward)(components=components)})
     rows = rows_by_role(memory_plan(cfg))
-    models = load_models(cfg, torch.device("cpu"))
+    models = load_models(cfg, resolve(cfg, device="cpu"))
     learned = {c.name: c.model for c in models.reward.components if c.model is not None}
     for name in ("a", "b"):
         assert rows[f"reward {name}"].parameters == sum(p.numel() for p in learned[name].parameters())

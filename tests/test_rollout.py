@@ -356,12 +356,12 @@ def test_a_shared_trunk_reads_its_values_off_the_decode_loop(policy_tokenizer, p
     assert torch.equal(rollout.response_ids, plain.response_ids) and torch.equal(
         rollout.logp_old, plain.logp_old
     )
-    assert "values" not in plain.extras
+    assert plain.values is None
     values, bootstrap = value_predictions(value_model, rollout)
     mask = rollout.response_mask.bool()
-    torch.testing.assert_close(rollout.extras["values"][mask], values[mask], atol=1e-5, rtol=0)
-    torch.testing.assert_close(rollout.extras["bootstrap_value"], bootstrap, atol=1e-5, rtol=0)
-    assert (rollout.extras["bootstrap_value"] != 0).any() == (boost == 1.5)
+    torch.testing.assert_close(rollout.values[mask], values[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(rollout.bootstrap_value, bootstrap, atol=1e-5, rtol=0)
+    assert (rollout.bootstrap_value != 0).any() == (boost == 1.5)
 
     # truncation as terminal never reads the bootstrap: no extra decode step for it, the same values
     def counted(**kwargs):
@@ -379,8 +379,8 @@ def test_a_shared_trunk_reads_its_values_off_the_decode_loop(policy_tokenizer, p
     n_terminal, terminal = counted(value_model=value_model, bootstrap_values=False)
     assert n_terminal == n_with - (boost == 1.5)
     assert torch.equal(terminal.response_ids, rollout.response_ids)
-    torch.testing.assert_close(terminal.extras["values"][mask], rollout.extras["values"][mask])
-    assert not terminal.extras["bootstrap_value"].any()
+    torch.testing.assert_close(terminal.values[mask], rollout.values[mask])
+    assert not terminal.bootstrap_value.any()
     with pytest.raises(ValueError, match="own trunk"):
         HFGenerator(model, policy_tokenizer, max_new_tokens=4, value_model=ValueModel.from_causal_lm(model))
 
@@ -428,14 +428,14 @@ def test_balanced_assignment_evens_out_the_ranks_tokens():
 
 def test_concat_rollouts_pads_each_part_and_keeps_every_real_token(policy_tokenizer, policy_model):
     rollout = generate(policy_model, policy_tokenizer, prompts=PROMPTS * 2, max_new_tokens=8, seed=1)
-    rollout.extras["values"] = torch.randn(rollout.response_ids.shape)
+    rollout.values = torch.randn(rollout.response_ids.shape)
     parts = [trim_padding(rollout.select(slice(0, 3))), trim_padding(rollout.select(slice(3, None)))]
     whole = concat_rollouts(parts)
     assert whole.prompts == rollout.prompts and whole.response_texts == rollout.response_texts
     mask = rollout.response_mask.bool()
     for name in ("response_ids", "logp_old"):
         assert torch.equal(getattr(whole, name)[mask], getattr(rollout, name)[mask])
-    assert torch.equal(whole.extras["values"][mask], rollout.extras["values"][mask])
+    assert torch.equal(whole.values[mask], rollout.values[mask])
     real = rollout.query_mask.bool()
     width = whole.query_ids.shape[1]
     assert torch.equal(
@@ -501,22 +501,22 @@ def test_shared_trunk_gives_logits_and_values_from_one_backbone_pass(policy_toke
 
 def test_select_minibatches_and_to(policy_tokenizer, policy_model):
     rollout = generate(policy_model, policy_tokenizer, prompts=PROMPTS * 2)
-    rollout.extras["advantages"] = torch.arange(len(rollout), dtype=torch.float32)[:, None].expand(-1, 3)
+    rollout.advantages = torch.arange(len(rollout), dtype=torch.float32)[:, None].expand(-1, 3)
     picked = rollout.select([5, 1])
     assert len(picked) == 2 and picked.prompts == [rollout.prompts[5], rollout.prompts[1]]
     assert torch.equal(picked.logp_old, rollout.logp_old[[5, 1]])
-    assert picked.extras["advantages"][:, 0].tolist() == [5.0, 1.0]
+    assert picked.advantages[:, 0].tolist() == [5.0, 1.0]
     assert picked.response_texts == [rollout.response_texts[5], rollout.response_texts[1]]
     batches = list(rollout.minibatches(3, shuffle_generator=torch.Generator().manual_seed(0)))
     assert [len(mb) for mb in batches] == [3, 3, 2]
-    seen = torch.cat([mb.extras["advantages"][:, 0] for mb in batches])
+    seen = torch.cat([mb.advantages[:, 0] for mb in batches])
     assert sorted(seen.tolist()) == list(map(float, range(len(rollout))))
     assert seen.tolist() != sorted(seen.tolist())  # shuffled
     for mb in batches:  # rows stay aligned across fields
-        rows = mb.extras["advantages"][:, 0].long()
+        rows = mb.advantages[:, 0].long()
         assert torch.equal(mb.response_ids, rollout.response_ids[rows])
     moved = rollout.to("meta")
-    assert moved.logp_old.is_meta and moved.query_mask.is_meta and moved.extras["advantages"].is_meta
+    assert moved.logp_old.is_meta and moved.query_mask.is_meta and moved.advantages.is_meta
     assert rollout.num_response_tokens == int(rollout.response_lengths.sum())
 
 

@@ -274,12 +274,14 @@ def test_two_reward_models_each_score_their_own_rendering(
     """A learned RM per tokenizer and template: each sees the token ids of its own rendering of the text."""
     from lmppo.build import load_reward
     from lmppo.config import RewardConfig
+    from lmppo.resolve import reward_roles
 
     for name, tokenizer in (("bracket", reward_tokenizer), ("chat", policy_tokenizer)):
         make_reward_model(tokenizer).save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
     components = [{"name": n, "model": {"path": str(tmp_path / n)}} for n in ("bracket", "chat")]
-    loaded = load_reward(RewardConfig(components=components))
+    reward_cfg = RewardConfig(components=components)
+    loaded = load_reward(reward_cfg, reward_roles(reward_cfg, "fp32"))
     seen: dict[str, list[list[int]]] = {}
     for component in loaded.reward.components:
         scorer, batches = component.score, seen.setdefault(component.name, [])

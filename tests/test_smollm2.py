@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmppo.build import load_models
+from lmppo.build import build_trainer, load_models
 from lmppo.config import load_config
 from lmppo.core import token_logprobs
 from lmppo.distributed import seed_everything
@@ -25,8 +25,8 @@ from lmppo.models import (
     model_identity,
     resolve_source,
 )
+from lmppo.resolve import resolve
 from lmppo.rollout import HFGenerator, response_logits, sequence_logprobs
-from lmppo.trainer import PPOTrainer
 
 pytestmark = pytest.mark.slow
 
@@ -145,8 +145,9 @@ def test_two_lora_ppo_steps_on_smollm2(smollm2, tmp_path, value_mode):
         }
     )
     seed_everything(0)
-    models = load_models(cfg, torch.device("cpu"))
-    trainer = PPOTrainer(cfg, models, PROMPTS)
+    spec = resolve(cfg, device="cpu")
+    models = load_models(cfg, spec)
+    trainer = build_trainer(cfg, spec, models, PROMPTS)
     frozen = {
         (name, k): v.clone()
         for name, module in (("policy", trainer.policy), ("value", trainer.value_model))
@@ -178,7 +179,7 @@ def test_two_lora_ppo_steps_on_smollm2(smollm2, tmp_path, value_mode):
         not torch.equal(after["policy"][k], v) for k, v in adapters.items() if "lora_B" in k
     )  # adapters trained
     # The reference is the base model: the stored logp_ref of step 1 is reproduced after two updates.
-    torch.testing.assert_close(logp_ref_after, rollouts[0].extras["logp_ref"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logp_ref_after, rollouts[0].logp_ref, atol=1e-5, rtol=0)
     with torch.no_grad():
         base_logp = token_logprobs(response_logits(smollm2[0], rollouts[0]), rollouts[0].response_ids)
     mask = rollouts[0].response_mask.bool()

@@ -237,9 +237,9 @@ def test_token_budget_micro_batches_give_the_gradient_of_one_pass():
     seen = []
     minibatch_update = budgeted.minibatch_update
 
-    def recording(minibatch):
+    def recording(minibatch, *args):
         seen.append(list(token_budget_micro_batches(minibatch, 40)))
-        return minibatch_update(minibatch)
+        return minibatch_update(minibatch, *args)
 
     budgeted.minibatch_update = recording
     torch.testing.assert_close(first_update_gradients(budgeted), reference, atol=1e-8, rtol=1e-4)
@@ -257,7 +257,8 @@ def test_critic_warmup_trains_only_the_critic_then_the_policy(shared):
     models = toy_models()
     if shared:
         models.value = ValueModel.shared_trunk(models.policy)
-    trainer = toy_trainer("ppo.critic_warmup_steps=2", "ppo.lr=1e-2", models=models)
+    critic = "models.value.mode=" + ("shared" if shared else "separate")
+    trainer = toy_trainer("ppo.critic_warmup_steps=2", "ppo.lr=1e-2", critic, models=models)
     start = [p.detach().clone() for p in trainer.policy.parameters()]
     head = trainer.value_model.head.weight.detach().clone()
     for _ in range(2):
@@ -319,11 +320,11 @@ def test_a_shared_trunk_critic_takes_its_stored_values_from_the_decode_loop():
         torch.nn.init.normal_(models.value.head.weight, std=0.1)  # values that are not all 0
         return models
 
-    reads = toy_trainer(models=shared_models())
+    reads = toy_trainer("models.value.mode=shared", models=shared_models())
     read_metrics = reads.step()  # each trainer seeds the global generator: build and step one at a time
     models = shared_models()
     plain = HFGenerator(models.policy, models.tokenizer, **generator_options(reads.cfg))  # no value model
-    pass_metrics = toy_trainer(models=models, generator=plain).step()
+    pass_metrics = toy_trainer("models.value.mode=shared", models=models, generator=plain).step()
     assert read_metrics["perf/values_s"] == 0.0 < pass_metrics["perf/values_s"]
     for name, value in pass_metrics.items():
         if not name.startswith("perf/") and name != "lag/rollout_age_s":  # wall-clock times

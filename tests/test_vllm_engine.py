@@ -122,8 +122,7 @@ def test_engine_rollout_masks_termination_and_logprobs_match_the_trainer(engine)
 def test_a_ppo_step_syncs_the_engine_to_the_new_weights(engine):
     from helpers import toy_trainer
 
-    from lmppo.build import PPOModels
-    from lmppo.models import ValueModel, make_reference
+    from lmppo.models import PPOModels, ValueModel, make_reference
     from lmppo.scoring import load_reward_function
 
     policy, tokenizer, generator = engine

@@ -5,15 +5,21 @@ engine with its sampling settings (:func:`generator_options`, shared by training
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from lmppo.config import Config, RewardComponent, RewardConfig, RewardSource
+from lmppo import core
+from lmppo.config import Config, KLConfig, PPOConfig, RewardComponent, RewardConfig, RewardSource
+from lmppo.data import Prompt, PromptStream
+from lmppo.distributed import CommCounter, data_parallel, shard_models
 from lmppo.errors import LmppoError
 from lmppo.models import (
+    DTYPES,
+    PPOModels,
     ValueModel,
     enable_gradient_checkpointing,
     freeze,
@@ -21,37 +27,22 @@ from lmppo.models import (
     load_reward_model,
     load_tokenizer,
     make_reference,
+    make_value_model,
     model_identity,
     resolve_source,
+    trainable_parameters,
     with_lora,
 )
-from lmppo.rollout import Generator, HFGenerator
+from lmppo.resolve import RoleSpec, RunSpec
+from lmppo.rollout import Generator, HFGenerator, PolicyAndValue
 from lmppo.scoring import (
     CombinedReward,
-    RewardFunction,
     RewardModelScorer,
     ScoredComponent,
     ScoreTransform,
     load_reward_function,
 )
-from lmppo.spec import check_value_source, policy_spec, resolve_precision, settled_dtype
-
-
-@dataclass
-class PPOModels:
-    """The four models of a run (the reward is learned RMs and programs combined, or one function)."""
-
-    policy: nn.Module
-    reference: nn.Module
-    value: nn.Module
-    tokenizer: object
-    reward: RewardFunction  # a CombinedReward when built from the config
-    identities: dict[str, dict] = field(default_factory=dict)
-
-    @property
-    def reward_models(self) -> list[nn.Module]:
-        """The frozen networks behind the reward (none for programmatic rewards)."""
-        return getattr(self.reward, "models", [])
+from lmppo.trainer import PPOTrainer, TrainerParts
 
 
 @dataclass
@@ -72,38 +63,42 @@ def score_transform(source: RewardSource) -> ScoreTransform:
 
 
 def load_reward_component(
-    source: RewardComponent, where: str, device: torch.device | str, precision: str
+    source: RewardComponent, role: RoleSpec, device: torch.device | str
 ) -> tuple[ScoredComponent, dict]:
     """One reward source, scored with its own tokenizer and chat template when learned, and its identity."""
-    if source.model is None:
+    if role.source is None:
         scorer = load_reward_function(source.function)
         identity = {"role": "reward", "function": source.function}
         return ScoredComponent(source.name, scorer, source.weight, score_transform(source)), identity
-    spec = settled_dtype(source.model, f"{where}.model", precision=precision, trained=False)
-    tokenizer = load_tokenizer(spec)
-    model = load_reward_model(spec).to(device)
+    tokenizer = load_tokenizer(role.source)
+    model = load_reward_model(role.source).to(device)
     scorer = RewardModelScorer(
         model,
         tokenizer,
-        chat_template=spec.chat_template,
+        chat_template=role.source.chat_template,
         max_length=source.max_length,
         batch_size=source.batch_size,
         batch_tokens=source.batch_tokens,
     )
     identity = model_identity(
-        "reward", model, source=resolve_source(spec), tokenizer=tokenizer, chat_template=spec.chat_template
+        "reward",
+        model,
+        source=resolve_source(role.source),
+        tokenizer=tokenizer,
+        chat_template=role.source.chat_template,
     ).to_dict()
     return ScoredComponent(source.name, scorer, source.weight, score_transform(source), model), identity
 
 
 def load_reward(
-    reward_cfg: RewardConfig, device: torch.device | str = "cpu", precision: str = "fp32"
+    reward_cfg: RewardConfig, roles: tuple[RoleSpec, ...], device: torch.device | str = "cpu"
 ) -> LoadedReward:
-    """``reward.model`` or ``reward.function`` (one source), or every one of ``reward.components``."""
+    """``reward.model`` or ``reward.function`` (one source), or every one of ``reward.components``, as
+    their ``roles`` (:func:`lmppo.resolve.reward_roles`) say."""
     named = bool(reward_cfg.components)
     loaded = [
-        load_reward_component(source, f"reward.components[{i}]" if named else "reward", device, precision)
-        for i, source in enumerate(reward_cfg.sources())
+        load_reward_component(source, role, device)
+        for source, role in zip(reward_cfg.sources(), roles, strict=True)
     ]
     gate = (reward_cfg.gate.component, reward_cfg.gate.below) if reward_cfg.gate else None
     reward = CombinedReward([component for component, _ in loaded], gate, named)
@@ -113,61 +108,55 @@ def load_reward(
     return LoadedReward(reward, {"role": "reward", "components": identities})
 
 
-def load_value_model(cfg: Config, policy: nn.Module, reward: LoadedReward, tokenizer, device) -> ValueModel:
-    """The critic ``models.value`` describes: a head on the policy's trunk, or a separate network."""
-    v = cfg.models.value
-    if v.mode == "shared":
-        return ValueModel.shared_trunk(policy).to(device)
-    if v.init_from == "reward":
-        learned = reward.first_model()  # there is one: check_value_source ran before any load
-        if learned.score.tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise LmppoError(
-                f"models.value.init_from=reward: the critic reads the policy's token ids, but the reward model "
-                f"({learned.name}) has its own tokenizer with another vocabulary; set "
-                "models.value.init_from=policy (or models.value.mode=shared)"
-            )
-        value = ValueModel.from_reward_model(learned.model)
-    else:
-        value = ValueModel.from_causal_lm(policy)
-    # what is trained is fp32 master weights, also when copied from a 16-bit frozen model
-    (value.head if v.lora.enabled else value).float()
-    return with_lora(value, v.lora).to(device)
+def load_value_model(
+    role: RoleSpec, policy: nn.Module, reward: LoadedReward, tokenizer, device
+) -> ValueModel:
+    """The critic ``role`` describes: a head on the policy's trunk, or a separate network."""
+    learned = reward.first_model()  # there is one when init_from=reward: resolve checked it before any load
+    if role.init_from == "reward" and learned.score.tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise LmppoError(
+            f"models.value.init_from=reward: the critic reads the policy's token ids, but the reward model "
+            f"({learned.name}) has its own tokenizer with another vocabulary; set "
+            "models.value.init_from=policy (or models.value.mode=shared)"
+        )
+    return make_value_model(role, policy, learned.model if learned else None).to(device)
 
 
-def load_policy(cfg: Config, precision: str, device: torch.device | str = "cpu") -> nn.Module:
-    """The starting policy: ``models.policy`` with the LoRA adapters of ``models.policy_lora``, if any."""
-    return with_lora(load_causal_lm(policy_spec(cfg, precision)).to(device), cfg.models.policy_lora)
+def load_policy(role: RoleSpec, device: torch.device | str = "cpu") -> nn.Module:
+    """The starting policy ``role`` describes, with its LoRA adapters if any."""
+    return with_lora(load_causal_lm(role.source).to(device), role.lora)
 
 
-def load_models(cfg: Config, device: torch.device) -> PPOModels:
-    """Policy (+ LoRA), reference, reward (model or function) and critic, with identity records.
+def load_reference(role: RoleSpec, policy: nn.Module, device: torch.device | str) -> nn.Module:
+    """Its own frozen model, or the policy's starting weights: the adapter-disabled view with LoRA, else a
+    frozen copy in the role's dtype."""
+    if role.source is not None:
+        return freeze(load_causal_lm(role.source)).to(device)
+    reference = make_reference(policy)
+    if role.copy_of:
+        reference.to(DTYPES[role.dtype])  # frozen: 2 bytes per parameter under bf16
+    return reference
+
+
+def load_models(cfg: Config, spec: RunSpec) -> PPOModels:
+    """Policy (+ LoRA), reference, reward (model or function) and critic as ``spec`` describes them, with
+    identity records.
 
     The order is fixed: LoRA adapters and fresh heads draw their initial weights from the global RNG.
-    Weights' dtypes follow ``run.precision`` (:func:`settled_dtype`).
     """
-    check_value_source(cfg)
-    m = cfg.models
-    precision = resolve_precision(cfg.run.precision, device)
-    spec = policy_spec(cfg, precision)
-    policy_source = resolve_source(spec)
-    tokenizer = load_tokenizer(spec)
-    policy = load_policy(cfg, precision, device)
-    if m.reference is not None:
-        reference_spec = settled_dtype(m.reference, "models.reference", precision=precision, trained=False)
-        reference_source = resolve_source(reference_spec)
-        reference = freeze(load_causal_lm(reference_spec)).to(device)
-    else:  # the policy's starting weights: adapter-disabled view with LoRA, else a frozen copy
-        reference_source, reference = policy_source, make_reference(policy)
-        if precision == "bf16" and not m.policy_lora.enabled:
-            reference.to(torch.bfloat16)  # frozen: 2 bytes per parameter
-    reward = load_reward(cfg.reward, device, precision)
-    value = load_value_model(cfg, policy, reward, tokenizer, device)
+    device = spec.device
+    policy_source = resolve_source(spec.policy.source)
+    tokenizer = load_tokenizer(spec.policy.source)
+    policy = load_policy(spec.policy, device)
+    reference = load_reference(spec.reference, policy, device)
+    reward = load_reward(cfg.reward, spec.rewards, device)
+    value = load_value_model(spec.value, policy, reward, tokenizer, device)
     if cfg.ppo.gradient_checkpointing:
         enable_gradient_checkpointing(policy)
         if not value.shared_trunk:
             enable_gradient_checkpointing(value)
-
-    template = m.policy.chat_template
+    reference_source = resolve_source(spec.reference.source) if spec.reference.source else policy_source
+    template = cfg.models.policy.chat_template
     identities = {
         "policy": model_identity(
             "policy", policy, source=policy_source, tokenizer=tokenizer, chat_template=template
@@ -178,14 +167,14 @@ def load_models(cfg: Config, device: torch.device) -> PPOModels:
             source=reference_source,
             tokenizer=tokenizer,
             chat_template=template,
-            shared_with="policy" if m.reference is None else None,
+            shared_with=None if spec.reference.source else "policy",
         ).to_dict(),
         "reward": reward.identity,
         "value": model_identity(
             "value", value, shared_with="policy" if value.shared_trunk else None
         ).to_dict(),
     }
-    identities["value"]["init_from"] = "policy" if value.shared_trunk else m.value.init_from
+    identities["value"]["init_from"] = spec.value.init_from or "policy"
     return PPOModels(policy, reference, value, tokenizer, reward.reward, identities)
 
 
@@ -206,16 +195,11 @@ def generator_options(cfg: Config) -> dict:
     }
 
 
-def build_generator(cfg: Config, models: PPOModels) -> Generator:
+def build_generator(cfg: Config, spec: RunSpec, models: PPOModels) -> Generator:
     """The rollout engine ``rollout.engine`` names, with the config's sampling settings."""
     if cfg.rollout.engine == "vllm":
         from lmppo.vllm_engine import VLLMGenerator  # vLLM lives in its own environment
 
-        if cfg.models.policy.gguf_file or not Path(cfg.models.policy.path).is_dir():
-            raise LmppoError(
-                "rollout.engine=vllm loads models.policy.path as a transformers directory; convert a "
-                "GGUF file first (lmppo.models.cache_gguf_as_transformers)"
-            )
         return VLLMGenerator(
             models.policy,
             models.tokenizer,
@@ -225,13 +209,118 @@ def build_generator(cfg: Config, models: PPOModels) -> Generator:
             weight_sync=cfg.rollout.vllm_weight_sync,
             **generator_options(cfg),
         )
-    # A head on the policy's trunk reads its values off the decode loop's hidden states (no values pass);
-    # under FSDP2 the head is sharded with the trunk, so the trainer's gathered values pass stays.
-    reads_values = getattr(models.value, "shared_trunk", False) and cfg.distributed.strategy != "fsdp2"
     return HFGenerator(
         models.policy,
         models.tokenizer,
-        value_model=models.value if reads_values else None,
+        value_model=models.value if spec.values_from_decode else None,
         bootstrap_values=cfg.rollout.truncation == "bootstrap",  # terminal: the trainer zeroes it anyway
         **generator_options(cfg),
     )
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """LR multiplier per PPO step: linear warmup, then constant / linear / cosine decay to 0."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        if schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+
+    return multiplier
+
+
+def build_optimizer(ppo: PPOConfig, models: PPOModels) -> torch.optim.Optimizer:
+    """AdamW over the policy's trained parameters and the critic's own (with a shared trunk: the head)."""
+    policy_ids = {id(p) for p in models.policy.parameters()}
+    groups = [
+        {"params": trainable_parameters(models.policy), "lr": ppo.lr, "name": "policy"},
+        {
+            "params": [p for p in trainable_parameters(models.value) if id(p) not in policy_ids],
+            "lr": ppo.value_lr or ppo.lr,
+            "name": "value",
+        },
+    ]
+    # fused: one kernel per step instead of a dozen foreach passes over every parameter (as TRL's default)
+    return torch.optim.AdamW(groups, weight_decay=ppo.weight_decay, eps=ppo.adam_eps, fused=True)
+
+
+def build_kl_controller(kl: KLConfig) -> core.FixedKLController:
+    """The fixed coefficient, or the adaptive controller that steers the KL toward ``kl.target``."""
+    return (
+        core.AdaptiveKLController(kl.beta, kl.target, kl.horizon)
+        if kl.adaptive
+        else core.FixedKLController(kl.beta)
+    )
+
+
+def build_update_module(
+    spec: RunSpec, models: PPOModels, group: torch.distributed.ProcessGroup | None
+) -> tuple[nn.Module, CommCounter | None]:
+    """The update's forward over policy and critic. Several ranks under DDP: wrapped to sync gradients in
+    the backward (generation and the stored passes use the plain modules). FSDP2: the models themselves
+    are sharded, in place (every pass outside the update gathers them)."""
+    train_module = PolicyAndValue(models.policy, models.value)
+    if spec.sharded:
+        learned = [role for role in spec.rewards if role.source is not None]
+        frozen = [(spec.reference, models.reference), *zip(learned, models.reward_models, strict=True)]
+        return train_module, shard_models(spec, group, models.policy, models.value, frozen)
+    if group is not None:
+        return data_parallel(train_module, group)
+    return train_module, None
+
+
+def build_trainer(
+    cfg: Config,
+    spec: RunSpec,
+    models: PPOModels,
+    prompts: list[Prompt],
+    *,
+    generator: Generator | None = None,
+    ptx_batches: Callable[[], dict[str, torch.Tensor]] | None = None,
+    group: torch.distributed.ProcessGroup | None = None,
+    rank: int = 0,
+) -> PPOTrainer:
+    """The trainer and everything it steps with: the update's module (sharded or wrapped first), the
+    rollout engine (``generator`` replaces the configured one), this rank's prompt stream, the optimizer
+    and its schedule, the KL controller and the reward with its preprocessing."""
+    # Dropout stays off for the whole run (as in TRL): the stored log-probs and values and the
+    # update's first forward then agree exactly, so the first ratio is 1. Gradients still flow.
+    for model in (models.policy, models.value):
+        model.eval()
+    train_module, comm_counter = build_update_module(spec, models, group)
+    generator = generator or build_generator(cfg, spec, models)
+    prompt_stream = PromptStream(
+        prompts,
+        cfg.rollout.batch_size,
+        shuffle=cfg.data.shuffle,
+        seed=cfg.run.seed,
+        rank=rank,
+        world_size=spec.world_size,
+    )
+    optimizer = build_optimizer(cfg.ppo, models)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg.ppo.lr_schedule, cfg.ppo.warmup_steps, cfg.run.steps)
+    )
+    reward = (  # a bare reward function (tests, the API) gets the config's one-source preprocessing
+        models.reward
+        if isinstance(models.reward, CombinedReward)
+        else CombinedReward([ScoredComponent("reward", models.reward, transform=score_transform(cfg.reward))])
+    )
+    parts = TrainerParts(
+        models,
+        train_module,
+        generator,
+        prompt_stream,
+        reward,
+        optimizer,
+        scheduler,
+        build_kl_controller(cfg.kl),
+        comm_counter,
+        ptx_batches,
+    )
+    return PPOTrainer(cfg, spec, parts, group=group, rank=rank)

@@ -32,7 +32,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lmppo.errors import LmppoError
+from lmppo.models import decoder_layers
+from lmppo.resolve import RoleSpec, RunSpec
 
 
 @dataclass(frozen=True)
@@ -91,26 +92,6 @@ def seed_everything(seed: int) -> None:
 def rank_seed(seed: int, rank: int) -> int:
     """Each rank samples its own responses: a distinct, reproducible seed per rank (rank 0 keeps ``seed``)."""
     return seed + 1000 * rank
-
-
-def check_world_size(world_size: int, **global_sizes: int | None) -> None:
-    """Every global batch size (``name=value``, ``None`` = unset) must split evenly over the ranks."""
-    for name, size in global_sizes.items():
-        if size is not None and size % world_size:
-            raise LmppoError(
-                f"{name}={size} is a global size and must be divisible by the {world_size} ranks; "
-                f"set it to a multiple of {world_size} or change --nproc-per-node"
-            )
-
-
-def check_strategy(strategy: str, world_size: int) -> None:
-    """FSDP2 needs ranks to shard over: one process is refused with the fix."""
-    if strategy == "fsdp2" and world_size == 1:
-        raise LmppoError(
-            "distributed.strategy=fsdp2 shards the models over the ranks torchrun starts, and this is one "
-            "process; start it with `torchrun --nproc-per-node N -m lmppo ppo ...`, or set "
-            "distributed.strategy=ddp"
-        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -267,6 +248,39 @@ def fully_shard_model(
         unit._lmppo_reshard_after_forward = reshard  # what gathered() restores
 
 
+def shard_models(
+    spec: RunSpec,
+    group: dist.ProcessGroup,
+    policy: nn.Module,
+    value: nn.Module,
+    frozen: list[tuple[RoleSpec, nn.Module]],
+) -> CommCounter:
+    """FSDP2 (``spec.sharded``): split the run's models over the ranks, in place, one unit per decoder
+    layer, before anything else holds their parameters. Trained weights stay fp32 shards and compute in
+    the run's precision; the critic's head computes in fp32; a shared trunk is sharded once, with the
+    policy; each frozen model (``frozen``: reference and reward models with their roles) is sharded when its
+    role says so (``distributed.shard_frozen``) and keeps its dtype."""
+    counter, mesh = CommCounter(), device_mesh(group)
+    fully_shard_model(policy, decoder_layers(policy), mesh, counter, compute_dtype=spec.compute_dtype)
+    fully_shard_model(
+        value,
+        [] if value.shared_trunk else decoder_layers(value),
+        mesh,
+        counter,
+        compute_dtype=spec.compute_dtype,
+        fp32_units=(value.head,),
+        root=not value.shared_trunk,
+    )
+    if value.shared_trunk:  # FSDP2 sets up on the first forward, which must enter through the root:
+        with torch.no_grad():  # one token through the policy, before any value pass enters at the trunk
+            policy(input_ids=torch.zeros(1, 1, dtype=torch.long, device=spec.device))
+        policy.reshard()
+    for role, model in frozen:
+        if role.shards > 1:
+            fully_shard_model(model, decoder_layers(model), mesh, counter)
+    return counter
+
+
 @contextlib.contextmanager
 def gathered(*modules: nn.Module | None) -> Iterator[None]:
     """The FSDP2 units inside ``modules`` held whole on every rank for the block; a no-op for plain
@@ -347,3 +361,12 @@ def whole_group(tensors: dict[str, dict[str, torch.Tensor]], name: str, sharded_
 def local_bytes(tensors) -> int:
     """Bytes this rank holds of ``tensors`` (its shards of DTensors; all of a plain tensor)."""
     return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
+
+
+def trained_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this rank holds of what training keeps: the optimizer's parameters, their gradients and its
+    state (under FSDP2 their shards, about 1/N of DDP's full copies)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params if p.grad is not None]
+    states = [v for state in optimizer.state.values() for v in state.values() if v.dim() > 0]
+    return local_bytes(params) + local_bytes(grads) + local_bytes(states)

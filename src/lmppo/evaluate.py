@@ -30,7 +30,7 @@ import torch
 from rich.table import Table
 
 from lmppo.build import generator_options, load_reward
-from lmppo.config import ModelSource, load_config
+from lmppo.config import load_config
 from lmppo.core import kl_estimate
 from lmppo.data import Prompt, load_demonstrations, load_prompts
 from lmppo.distributed import all_sum, gather_objects
@@ -41,10 +41,10 @@ from lmppo.models import (
     load_causal_lm,
     load_tokenizer,
 )
+from lmppo.resolve import frozen_policy_source, resolve
 from lmppo.rollout import HFGenerator, Rollout, sequence_logprobs
 from lmppo.scoring import RewardFunction, load_function
 from lmppo.sft import response_nll_sum
-from lmppo.spec import resolve_device, resolve_precision, settled_dtype
 
 GoldJudge = Callable[[Prompt, str], float]  # (prompt, response text) -> score, e.g. lmppo.toy.task.gold_score
 EVAL_FILE = "eval.json"
@@ -334,21 +334,14 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
             f"{run_dir / 'final'} does not exist: the run has not finished (continue it with --resume)"
         )
     # On the run's device and in its numerics: both policies are frozen here (16-bit under bf16).
-    device = resolve_device(cfg.run.device)
-    precision = resolve_precision(cfg.run.precision, device)
-
-    def frozen_policy(section: ModelSource):
-        settled = settled_dtype(section, "models.policy", precision=precision, trained=False)
-        return load_causal_lm(settled).to(device)
-
+    spec = resolve(cfg)
+    start_source = frozen_policy_source(cfg, spec)
+    final_source = start_source.model_copy(update={"path": str(run_dir / "final"), "gguf_file": None})
     tokenizer, prompts = load_tokenizer(cfg.models.policy), load_prompts(prompts_path)
-    reward_fn = load_reward(cfg.reward, device, precision).reward
+    reward_fn = load_reward(cfg.reward, spec.rewards, spec.device).reward
     gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
-    start = frozen_policy(cfg.models.policy)
-    final = frozen_policy(
-        cfg.models.policy.model_copy(update={"path": str(run_dir / "final"), "gguf_file": None})
-    )
-    with autocast(precision, device):
+    start, final = (load_causal_lm(source).to(spec.device) for source in (start_source, final_source))
+    with autocast(spec.precision, spec.device):
         results = {
             name: evaluate_policy(
                 policy,

@@ -22,8 +22,8 @@ import os
 import platform
 import shutil
 import sys
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lmppo.config import ModelSource
 from lmppo.errors import LmppoError
+from lmppo.resolve import RoleSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -361,6 +362,23 @@ def trainable_parameters(*models: nn.Module) -> list[nn.Parameter]:
     return params
 
 
+@dataclass
+class PPOModels:
+    """The four models of a run (the reward is learned RMs and programs combined, or one function)."""
+
+    policy: nn.Module
+    reference: nn.Module
+    value: nn.Module
+    tokenizer: object
+    reward: Callable  # a lmppo.scoring.CombinedReward when built from the config
+    identities: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def reward_models(self) -> list[nn.Module]:
+        """The frozen networks behind the reward (none for programmatic rewards)."""
+        return getattr(self.reward, "models", [])
+
+
 # --------------------------------------------------------------------------------------------------
 # Value model
 # --------------------------------------------------------------------------------------------------
@@ -429,6 +447,20 @@ class ValueModel(nn.Module):
         return cls(backbone, _zero_head(backbone, policy.config.hidden_size), shared_trunk=True)
 
 
+def make_value_model(role: RoleSpec, policy: nn.Module, reward_model: nn.Module | None) -> ValueModel:
+    """The critic ``role`` describes (:func:`lmppo.resolve.value_role`): a head on ``policy``'s trunk, or a
+    copy of the policy's or ``reward_model``'s network with its LoRA adapters. What is trained is fp32
+    master weights, also when copied from a 16-bit frozen model."""
+    if role.shares:
+        return ValueModel.shared_trunk(policy)
+    if role.init_from == "reward":
+        value = ValueModel.from_reward_model(reward_model)
+    else:
+        value = ValueModel.from_causal_lm(policy)
+    (value.head if role.lora is not None else value).float()
+    return with_lora(value, role.lora)
+
+
 def _without_adapters(module: nn.Module) -> nn.Module:
     """Replace every peft-injected layer in ``module`` by the base layer it wraps (in place)."""
     for name, child in module.named_children():
@@ -490,9 +522,9 @@ def apply_lora(
 
 
 def with_lora(model: nn.Module, lora) -> nn.Module:
-    """``model`` with LoRA adapters as configured (a :class:`lmppo.config.LoraConfig`) when ``lora.enabled``,
-    else ``model`` itself (all weights trained)."""
-    if not lora.enabled:
+    """``model`` with LoRA adapters as configured (a :class:`lmppo.config.LoraConfig`) when given and
+    enabled, else ``model`` itself (all weights trained)."""
+    if lora is None or not lora.enabled:
         return model
     return apply_lora(
         model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules

@@ -26,14 +26,14 @@ from lmppo.data import load_prompts, render_query_ids
 from lmppo.errors import LmppoError
 from lmppo.models import (
     DTYPES,
-    ValueModel,
     load_model_config,
     load_tokenizer,
+    make_value_model,
     resolve_source,
     weight_files,
     with_lora,
 )
-from lmppo.spec import check_value_source, policy_spec, resolve_device, resolve_precision, settled_dtype
+from lmppo.resolve import RoleSpec, RunSpec, resolve
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = GIB // 2  # the CUDA context and kernels: outside torch's allocator
@@ -192,11 +192,6 @@ def _counts(module) -> tuple[int, int]:
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 
 
-def _frozen(module):
-    module.requires_grad_(False)
-    return module
-
-
 def conversion_bytes(spec: ModelSource) -> int:
     """Host bytes of the weight files a 16-bit load reads while it converts them (their pages stay resident
     next to the converted copy until the load ends); 0 when the weights are used as stored."""
@@ -205,72 +200,48 @@ def conversion_bytes(spec: ModelSource) -> int:
     return sum(path.stat().st_size for path in weight_files(resolve_source(spec)))
 
 
-def model_rows(cfg: Config, precision: str) -> tuple[list[ModelRow], dict[str, Shape], int]:
-    """The four models' rows (parameters, dtype, trained share), the shapes of the policy and critic, and
-    the largest conversion a load does (:func:`conversion_bytes`)."""
-    check_value_source(cfg)
-    m = cfg.models
-    lora = m.policy_lora.enabled
-    policy_source = policy_spec(cfg, precision)
-    policy_config = load_model_config(policy_source)
-    policy = with_lora(_meta_model(policy_config), m.policy_lora)
-    params, trained = _counts(policy)
-    rows = [_row("policy", params, trained, policy_source.dtype, f"LoRA r{m.policy_lora.r}" if lora else "")]
+def model_rows(cfg: Config, spec: RunSpec) -> tuple[list[ModelRow], dict[str, Shape], int]:
+    """The four models' rows (parameters, dtype, trained share, shards) as the spec makes them, the
+    shapes of the policy, reward models and critic, and the largest conversion a load does
+    (:func:`conversion_bytes`)."""
+    policy_config = load_model_config(spec.policy.source)
+    policy = with_lora(_meta_model(policy_config), spec.policy.lora)
     shapes = {"policy": Shape.of(policy_config)}
-    conversions = [conversion_bytes(policy_source)]
+    rows = [_row(spec.policy, *_counts(policy))]
+    conversions = [conversion_bytes(spec.policy.source)]
 
-    if m.reference is not None:
-        spec = settled_dtype(m.reference, "models.reference", precision=precision, trained=False)
-        rows.append(_row("reference", _counts(_meta_model(load_model_config(spec)))[0], 0, spec.dtype))
-        conversions.append(conversion_bytes(spec))
-    elif lora:
-        rows.append(_row("reference", 0, 0, policy_source.dtype, "= policy base"))
-    else:
-        rows.append(_row("reference", params, 0, "bfloat16" if precision == "bf16" else "float32", "a copy"))
+    reference = spec.reference
+    if reference.source is not None:
+        rows.append(_row(reference, _counts(_meta_model(load_model_config(reference.source)))[0], 0))
+        conversions.append(conversion_bytes(reference.source))
+    else:  # the policy's view (no weights of its own) or a copy of its starting weights
+        rows.append(_row(reference, 0 if reference.shares else rows[0].parameters, 0))
 
-    reward_model, reward_dtype, reward_shape = (
-        None,
-        "float32",
-        None,
-    )  # the first learned one: a critic may start from it
-    for source in cfg.reward.sources():
-        role = f"reward {source.name}" if cfg.reward.components else "reward"
-        if source.model is None:
-            rows.append(_row(role, 0, 0, "-", "function"))
+    first_reward_model, first_reward_shape = None, None  # a critic may start from it
+    for role in spec.rewards:
+        if role.source is None:
+            rows.append(_row(role, 0, 0))
             continue
-        spec = settled_dtype(source.model, f"{role}.model", precision=precision, trained=False)
-        reward_config = load_model_config(spec)
-        frozen = _frozen(_meta_model(reward_config, reward=True))
-        rows.append(_row(role, _counts(frozen)[0], 0, spec.dtype))
-        conversions.append(conversion_bytes(spec))
-        shapes[role] = Shape.of(reward_config)
-        if reward_model is None:
-            reward_model, reward_dtype, reward_shape = frozen, spec.dtype, shapes[role]
+        reward_config = load_model_config(role.source)
+        frozen = _meta_model(reward_config, reward=True).requires_grad_(False)
+        rows.append(_row(role, _counts(frozen)[0], 0))
+        conversions.append(conversion_bytes(role.source))
+        shapes[role.role] = Shape.of(reward_config)
+        if first_reward_model is None:
+            first_reward_model, first_reward_shape = frozen, shapes[role.role]
 
-    v = m.value
-    if v.mode == "shared":
-        head = ValueModel.shared_trunk(policy).head
-        rows.append(_row("value", head.weight.numel() + head.bias.numel(), None, "float32", "shared trunk"))
+    value = make_value_model(spec.value, policy, first_reward_model)
+    if spec.value.shares:  # the head alone is the critic's own
+        rows.append(_row(spec.value, *_counts(value.head)))
     else:
-        if v.init_from == "reward":
-            value, base_dtype = ValueModel.from_reward_model(reward_model), reward_dtype
-            shapes["value"] = reward_shape
-        else:
-            value, base_dtype = ValueModel.from_causal_lm(policy), policy_source.dtype
-            shapes["value"] = shapes["policy"]
-        value = with_lora(value, v.lora)
-        value_params, value_trained = _counts(value)
-        note = f"LoRA r{v.lora.r}, from {v.init_from}" if v.lora.enabled else f"from {v.init_from}"
-        rows.append(
-            _row("value", value_params, value_trained, base_dtype if v.lora.enabled else "float32", note)
-        )
+        shapes["value"] = first_reward_shape if spec.value.init_from == "reward" else shapes["policy"]
+        rows.append(_row(spec.value, *_counts(value)))
     return rows, shapes, max(conversions)
 
 
-def _row(role: str, params: int, trained: int | None, dtype: str, note: str = "") -> ModelRow:
-    trained = params if trained is None else trained
-    size = DTYPES[dtype].itemsize if dtype in DTYPES else 4
-    return ModelRow(role, params, dtype, trained, note, size)
+def _row(role: RoleSpec, params: int, trained: int) -> ModelRow:
+    size = DTYPES[role.dtype].itemsize if role.dtype in DTYPES else 4
+    return ModelRow(role.role, params, role.dtype, trained, role.note, size, role.shards)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -442,20 +413,18 @@ def memory_plan(
     available: int | None = None,
     device: str | None = None,
     prompt_tokens: int | None = None,
+    spec: RunSpec | None = None,
 ) -> MemoryPlan:
-    """The plan of ``cfg`` on ``world_size`` ranks (default: this launch's) against ``available`` bytes
-    (default: what this machine's device has free now); ``prompt_tokens`` defaults to the longest
-    rendered prompt of ``data.prompts``."""
-    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    device = device or resolve_device(cfg.run.device, present=False).type
-    precision = resolve_precision(cfg.run.precision, torch.device(device))
-    rows, shapes, conversion = model_rows(cfg, precision)
-    if cfg.distributed.strategy == "fsdp2" and world_size > 1:
-        for row in rows:
-            if row.trained or cfg.distributed.shard_frozen:
-                row.shards = world_size
+    """The plan of ``cfg`` as ``spec`` resolves it (default: on ``world_size`` ranks, this launch's, of
+    ``device``) against ``available`` bytes (default: what this machine's device has free now);
+    ``prompt_tokens`` defaults to the longest rendered prompt of ``data.prompts``."""
+    if spec is None:
+        world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        spec = resolve(cfg, device=device, world_size=world_size, present=False)
+    device, precision = spec.device.type, spec.precision
+    rows, shapes, conversion = model_rows(cfg, spec)
     prompt_tokens = prompt_tokens or longest_prompt(cfg)
-    phases, details = phase_bytes(cfg, rows, shapes, precision, prompt_tokens, world_size)
+    phases, details = phase_bytes(cfg, rows, shapes, precision, prompt_tokens, spec.world_size)
     if device == "cpu" and conversion:  # on CUDA the files are read into host memory, not the GPU's
         phases["loading"], details["loading"] = conversion, "weight files read while converting to 16 bits"
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else process_rss()  # GPU memory is not the process's RSS
@@ -463,7 +432,7 @@ def memory_plan(
     return MemoryPlan(
         precision=precision,
         device=device,
-        world_size=world_size,
+        world_size=spec.world_size,
         prompt_tokens=prompt_tokens,
         models=rows,
         phases=phases,
@@ -514,9 +483,9 @@ def remedies(cfg: Config, plan: MemoryPlan) -> list[tuple[str, int]]:
     return sorted(saved, key=lambda item: -item[1])
 
 
-def check_plan(cfg: Config, force: bool = False) -> MemoryPlan:
+def check_plan(cfg: Config, spec: RunSpec, force: bool = False) -> MemoryPlan:
     """Refuse a run whose plan cannot fit the device (``lmppo ppo``), unless ``force``."""
-    plan = memory_plan(cfg)
+    plan = memory_plan(cfg, spec=spec)
     if plan.fits or force:
         return plan
     fixes = "; ".join(f"{change} (saves {size(saved)})" for change, saved in remedies(cfg, plan))

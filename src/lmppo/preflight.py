@@ -33,7 +33,7 @@ from lmppo.data import Prompt, load_prompts, prompt_slices
 from lmppo.diagnose import Finding, reward_bias
 from lmppo.evaluate import evaluate_policy
 from lmppo.models import autocast, load_tokenizer
-from lmppo.spec import policy_spec, resolve_device, resolve_precision
+from lmppo.resolve import resolve
 
 PREFLIGHT_FILE = "preflight.json"
 N_EXAMPLES = 3  # highest and lowest scored samples kept for reading
@@ -170,17 +170,16 @@ def run_preflight(
 def check_reward(cfg) -> tuple[Preflight, Finding | None]:
     """``lmppo check-rm CONFIG``: the run's pre-flight without training (its starting policy, reward and
     prompts, on one process), with the ``reward_bias`` rule's finding."""
-    device = resolve_device(cfg.run.device)
-    precision = resolve_precision(cfg.run.precision, device)
+    spec = resolve(cfg)
     batches = max(cfg.diagnosis.preflight_batches, 1)  # asked for explicitly: at least one batch
     cfg = cfg.model_copy(
         update={"diagnosis": cfg.diagnosis.model_copy(update={"preflight_batches": batches})}
     )
-    policy = load_policy(cfg, precision, device)
-    reward = load_reward(cfg.reward, device, precision).reward
-    tokenizer = load_tokenizer(policy_spec(cfg, precision))
+    policy = load_policy(spec.policy, spec.device)
+    reward = load_reward(cfg.reward, spec.rewards, spec.device).reward
+    tokenizer = load_tokenizer(spec.policy.source)
     slices = prompt_slices(cfg.data.prompts, cfg.data.split, cfg.data.slice_key)
-    with autocast(precision, device):
+    with autocast(spec.precision, spec.device):
         preflight = run_preflight(
             cfg, policy, tokenizer, reward, load_prompts(cfg.data.prompts, cfg.data.split), slices
         )

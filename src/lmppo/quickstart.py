@@ -18,13 +18,14 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from lmppo.build import PPOModels, generator_options, load_reward
+from lmppo.build import generator_options, load_reward
 from lmppo.config import QuickstartConfig, TrainingStage, apply_override, validate_config
 from lmppo.data import read_jsonl
 from lmppo.errors import GuardAbort, LmppoError
 from lmppo.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table, write_eval_json
-from lmppo.models import load_causal_lm, load_tokenizer
+from lmppo.models import PPOModels, load_causal_lm, load_tokenizer
 from lmppo.report import report
+from lmppo.resolve import resolve
 from lmppo.reward_modeling import evaluate_reward_model, train_reward_model, write_rm_eval_json
 from lmppo.run import train
 from lmppo.sft import train_sft
@@ -182,7 +183,8 @@ def run_quickstart(
     with console.status("[5/6] held-out evaluation of SFT and PPO"):
         sft_policy = load_causal_lm(models_dir / "sft")
         ppo_policy = load_causal_lm(run_dir / "final")
-        scorer = load_reward(ppo_cfg.reward).reward  # the frozen RM, scored as during PPO
+        spec = resolve(ppo_cfg)
+        scorer = load_reward(ppo_cfg.reward, spec.rewards, spec.device).reward  # the frozen RM, as in PPO
         results = {
             "SFT": evaluate(sft_policy, sft_policy, scorer),  # the reference is the SFT policy itself
             "PPO": evaluate(ppo_policy, sft_policy, scorer),

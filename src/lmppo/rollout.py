@@ -21,7 +21,7 @@ import functools
 import inspect
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -31,6 +31,7 @@ from transformers.cache_utils import StaticLayer
 
 from lmppo.core import last_response_index, token_logprobs
 from lmppo.data import Prompt, render_query_ids
+from lmppo.distributed import gather_objects
 from lmppo.errors import LmppoError, warn
 from lmppo.models import ValueModel, checkpointed_layers, checkpointing, eval_mode, lora_merged, unwrap_model
 
@@ -45,9 +46,9 @@ class Rollout:
 
     Tensors: ``query_ids`` (B, Q) long, left-padded; ``query_mask`` (B, Q) long, 1 = real prompt token;
     ``response_ids`` (B, R) long; ``response_mask`` (B, R) float; ``terminated`` (B,) bool (emitted a
-    stop token; else truncated at ``max_new_tokens``); ``logp_old`` (B, R) float32 at ``temperature``.
-    ``extras``: per-row tensors added later (``logp_ref``,
-    ``values``, advantages, ...); they follow :meth:`select`, :meth:`minibatches` and :meth:`to`.
+    stop token; else truncated at ``max_new_tokens``); ``logp_old`` (B, R) float32 at ``temperature``, as
+    the sampler recorded them. The estimates are filled in later, all (B, R) but ``bootstrap_value`` (B,);
+    like the tensors above they follow :meth:`select`, :meth:`minibatches`, :meth:`to` and trimming.
     """
 
     query_ids: torch.Tensor
@@ -61,9 +62,24 @@ class Rollout:
     prompts: list
     response_texts: list[str]
     temperature: float = 1.0
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    values: torch.Tensor | None = None  # V before each response token (the decode loop's or a stored pass)
+    bootstrap_value: torch.Tensor | None = None  # V after the last token of a truncated row, else 0
+    logp_ref: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None  # whitened when ppo.whiten_advantages
+    returns: torch.Tensor | None = None
+    logp_trainer: torch.Tensor | None = None  # ppo.tis_cap: the trainer's own log-probs of the samples
+    tis_weights: torch.Tensor | None = None  # ppo.tis_cap: min(p_trainer / p_sampler, cap) per token
 
     _ROW_TENSORS = ("query_ids", "query_mask", "response_ids", "response_mask", "terminated", "logp_old")
+    _ESTIMATES = (
+        "values",
+        "bootstrap_value",
+        "logp_ref",
+        "advantages",
+        "returns",
+        "logp_trainer",
+        "tis_weights",
+    )
 
     def __len__(self) -> int:
         return self.query_ids.shape[0]
@@ -76,6 +92,16 @@ class Rollout:
     @property
     def num_response_tokens(self) -> int:
         return int(self.response_mask.sum())
+
+    @property
+    def logp_old_for_update(self) -> torch.Tensor:
+        """The old policy's log-probs that the KL reward and the PPO ratio use: the trainer's own under
+        ``ppo.tis_cap`` (the sampler's then only weight the tokens), else the sampler's."""
+        return self.logp_trainer if self.logp_trainer is not None else self.logp_old
+
+    def estimates(self) -> dict[str, torch.Tensor]:
+        """The estimates filled in so far, by name."""
+        return {name: getattr(self, name) for name in self._ESTIMATES if getattr(self, name) is not None}
 
     def sequence_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(input_ids, attention_mask, position_ids)``, each (B, Q + R), for a forward pass."""
@@ -94,7 +120,7 @@ class Rollout:
             **picked,
             prompts=[self.prompts[i] for i in rows.tolist()],
             response_texts=[self.response_texts[i] for i in rows.tolist()],
-            extras={name: value[rows.to(value.device)] for name, value in self.extras.items()},
+            **{name: value[rows.to(value.device)] for name, value in self.estimates().items()},
         )
 
     def minibatches(self, size: int, shuffle_generator: torch.Generator | None = None) -> Iterator[Rollout]:
@@ -110,7 +136,7 @@ class Rollout:
         return dataclasses.replace(
             self,
             **{name: getattr(self, name).to(device) for name in self._ROW_TENSORS},
-            extras={name: value.to(device) for name, value in self.extras.items()},
+            **{name: value.to(device) for name, value in self.estimates().items()},
         )
 
 
@@ -292,8 +318,8 @@ def trim_padding(rollout: Rollout) -> Rollout:
     responses = {
         name: getattr(rollout, name)[:, :length] for name in ("response_ids", "response_mask", "logp_old")
     }
-    extras = {k: v[:, :length] if v.dim() == 2 else v for k, v in rollout.extras.items()}
-    return dataclasses.replace(rollout, **queries, **responses, extras=extras)
+    estimates = {k: v[:, :length] if v.dim() == 2 else v for k, v in rollout.estimates().items()}
+    return dataclasses.replace(rollout, **queries, **responses, **estimates)
 
 
 def token_budget_groups(max_tokens: int, *part_lengths: torch.Tensor) -> list[list[int]]:
@@ -363,7 +389,7 @@ def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
         },
         prompts=[prompt for p in parts for prompt in p.prompts],
         response_texts=[text for p in parts for text in p.response_texts],
-        extras={name: torch.cat([right(p.extras[name]) for p in parts]) for name in first.extras},
+        **{name: torch.cat([right(getattr(p, name)) for p in parts]) for name in first.estimates()},
     )
 
 
@@ -404,6 +430,50 @@ def length_sorted_micro_batches(minibatch: Rollout, size: int) -> Iterator[Rollo
         order = torch.argsort(lengths.cpu(), descending=True, stable=True)
     for start in range(0, len(minibatch), size):
         yield trim_padding(minibatch.select(order[start : start + size]))
+
+
+def rank_micro_batches(
+    minibatch: Rollout,
+    *,
+    micro_batch_size: int | None,
+    micro_batch_tokens: int | None,
+    world_size: int = 1,
+    rank: int = 0,
+    group=None,
+    same_count: bool = False,
+) -> tuple[list[Rollout], list[float]]:
+    """This rank's micro-batches of ``minibatch`` (its share of rows) and their loss weights (1, or 0
+    for padding): ``micro_batch_size`` global rows each, or forwards of at most ``micro_batch_tokens``.
+
+    ``same_count`` (FSDP2, where each forward and backward is a collective): every rank runs as many as
+    the rank with the most; the others repeat one row whose loss counts 0 (only a token budget can differ).
+    """
+    if micro_batch_tokens:  # a budget per forward, after evening out the ranks' token counts
+        minibatch = balanced_over_ranks(minibatch, world_size, rank, group)
+        micro_batches = list(token_budget_micro_batches(minibatch, micro_batch_tokens))
+    else:
+        micro_size = micro_batch_size // world_size if micro_batch_size else len(minibatch)
+        micro_batches = list(length_sorted_micro_batches(minibatch, max(micro_size, 1)))
+    weights = [1.0] * len(micro_batches)
+    if same_count and micro_batch_tokens:  # row counts give every rank the same number already
+        missing = max(gather_objects(len(micro_batches), group)) - len(micro_batches)
+        micro_batches += [micro_batches[-1].select(torch.tensor([0]))] * missing
+        weights += [0.0] * missing
+    return micro_batches, weights
+
+
+def balanced_over_ranks(minibatch: Rollout, world_size: int, rank: int, group) -> Rollout:
+    """This rank's share of all ranks' minibatch rows, split so that every rank forwards a similar
+    number of tokens (the slowest rank sets the pace of each synchronised backward). The loss is a
+    global token mean, so which rank computes a row changes no result."""
+    if group is None:
+        return minibatch
+    every = concat_rollouts(
+        [part.to(minibatch.response_ids.device) for part in gather_objects(minibatch.to("cpu"), group)]
+    )
+    row_tokens = (every.query_mask.sum(1) + every.response_mask.sum(1)).long().tolist()
+    mine = balanced_assignment(row_tokens, world_size)[rank]
+    return every.select(torch.tensor(mine))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -471,8 +541,8 @@ class HFGenerator:
     ``max_new_tokens``) is an error naming the row, unless ``truncate_prompts`` keeps its last tokens.
 
     With ``value_model`` (a head on this policy's own trunk, :meth:`ValueModel.shared_trunk`) the loop also
-    reads the values off the last hidden states it computes anyway: ``extras["values"]`` and
-    ``extras["bootstrap_value"]`` as :func:`value_predictions` defines them, so the trainer skips its values
+    reads the values off the last hidden states it computes anyway: ``rollout.values`` and
+    ``rollout.bootstrap_value`` as :func:`value_predictions` defines them, so the trainer skips its values
     pass. A truncated row's bootstrap costs one more decode step; ``bootstrap_values=False`` (a run whose
     truncation is terminal, which never reads it) skips that step and leaves the bootstrap 0.
     """
@@ -590,10 +660,10 @@ class HFGenerator:
         # clone outside inference mode: the PPO update feeds these to autograd, which rejects inference tensors
         response_ids, logp_old = response_ids.clone(), logp_old.clone()
         response_mask, terminated = response_mask_from_ids(response_ids, self.stop_token_ids)
-        extras = {}
+        estimates = {}
         if values is not None:  # (B, R' + 1): V before each response token, then after the last column
             after_last = values.gather(1, (last_response_index(response_mask) + 1).unsqueeze(1)).squeeze(1)
-            extras = {
+            estimates = {
                 "values": values[:, :-1].clone(),
                 "bootstrap_value": torch.where(terminated, 0.0, after_last),
             }
@@ -609,7 +679,7 @@ class HFGenerator:
             prompts=list(prompts),
             response_texts=self._decode(response_ids, response_mask, terminated),
             temperature=self.temperature,
-            extras=extras,
+            **estimates,
         )
 
     def _sample(

@@ -18,7 +18,7 @@ from peft import PeftModel
 from torch import nn
 from transformers import GenerationConfig
 
-from lmppo.build import PPOModels, load_models, load_policy
+from lmppo.build import build_trainer, load_models, load_policy
 from lmppo.checkpoint import (
     CHECKPOINTS_DIR,
     Checkpoint,
@@ -28,9 +28,6 @@ from lmppo.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     load_intact_checkpoint,
-    save_checkpoint,
-    shard_scratch_dir,
-    write_tensor_groups,
 )
 from lmppo.config import Config
 from lmppo.data import load_demonstrations, load_located_prompts, prompt_slices
@@ -39,7 +36,6 @@ from lmppo.distributed import (
     DistInfo,
     any_rank,
     barrier,
-    check_strategy,
     distributed_session,
     full_tensor,
     gathered,
@@ -51,12 +47,12 @@ from lmppo.errors import GuardAbort, Interrupted, LmppoError, UserCodeError, war
 from lmppo.evaluate import run_evaluator
 from lmppo.guards import Guards, held_out_score
 from lmppo.metrics import METRICS_FILE, MetricsLogger, ProgressDisplay, read_metrics, reduce_metrics
-from lmppo.models import keep_freed_heap_memory
+from lmppo.models import PPOModels, keep_freed_heap_memory
 from lmppo.plan import check_plan
 from lmppo.preflight import Preflight, run_preflight, summary_line, write_preflight_json
+from lmppo.resolve import RunSpec, resolve, resolve_device
 from lmppo.sft import sft_batch
-from lmppo.spec import resolve_device, resolve_precision
-from lmppo.trainer import PPOTrainer
+from lmppo.trainer_state import apply_changed_settings, load_state_payload, save_trainer_checkpoint
 
 Evaluator = Callable[[], dict[str, float]]  # held-out eval/* metrics of the current policy
 
@@ -148,128 +144,135 @@ def _train(
         torch.set_num_threads(cfg.run.threads)
     if device.type == "cpu":
         keep_freed_heap_memory()  # no page faults on every step's large tensors
-    run_dir = Path(cfg.run.output_dir)
-    check_strategy(cfg.distributed.strategy, dist_info.world_size)
-    checkpoint = _checkpoint_to_resume(run_dir, resume, dist_info)
+    spec = resolve(cfg, device=device, world_size=dist_info.world_size)  # every check before anything heavy
+    checkpoint = _checkpoint_to_resume(Path(cfg.run.output_dir), resume, dist_info)
     barrier(dist_info.group)  # every rank has looked for a checkpoint before rank 0 writes the first one
-    plan = check_plan(cfg, force)  # before anything heavy: no OOM an hour in
-    seed_everything(cfg.run.seed)  # every rank builds the same models (fresh heads, LoRA adapters)
-
-    models = load_models(cfg, device)
-    located_prompts = load_located_prompts(cfg.data.prompts, cfg.data.split)
-    prompts = [prompt for _, prompt in located_prompts]
-    trainer = PPOTrainer(
-        cfg,
-        models,
-        prompts,
-        ptx_batches=ptx_batches(cfg, models.tokenizer, device, dist_info.rank),
-        group=dist_info.group,
-        rank=dist_info.rank,
-        world_size=dist_info.world_size,
-    )
-    for where, prompt in located_prompts:  # a bad prompt is named by its file and line now, not at some step
-        trainer.generator.query_ids(prompt, where)
-    evaluator = evaluator_factory(models) if evaluator_factory else None
-    if evaluator is None and cfg.data.eval_prompts and cfg.run.eval_every:  # the config's held-out evaluation
-        evaluator = run_evaluator(cfg, models, dist_info.rank, dist_info.world_size, dist_info.group)
-    if dist_info.world_size > 1:
-        seed_everything(rank_seed(cfg.run.seed, dist_info.rank))  # then each rank samples its own responses
-    guards = Guards(cfg.guards)
-    manifest = {
-        "config": cfg.model_dump(mode="json"),
-        "identities": models.identities,
-        "world_size": dist_info.world_size,
-        "memory_plan": {"peak_bytes": plan.peak, "available_bytes": plan.available, "fits": plan.fits},
+    plan = check_plan(cfg, spec, force)  # no OOM an hour in
+    run = PPORun(cfg, spec, dist_info, checkpoint, evaluator_factory)
+    run.manifest["memory_plan"] = {
+        "peak_bytes": plan.peak,
+        "available_bytes": plan.available,
+        "fits": plan.fits,
     }
-
-    best: dict = dict(checkpoint.state.get("best") or {}) if checkpoint else {}  # step, metric, score
-
-    def save(tag: str, is_best: bool = False) -> Path | None:
-        """Called on every rank (the RNG states are gathered); rank 0 writes. Returns the path on rank 0.
-        ``is_best``: this step has the best held-out score so far (``best`` points at it).
-
-        With sharded checkpoints every rank first writes its own shards next to the checkpoint-to-be;
-        rank 0 then moves them in, hashes them with its own files and commits the whole checkpoint."""
-        tensors, state = trainer.state_payload()
-        state["guards"] = guards.state_dict()
-        state["best"] = best or None
-        adopt: list[Path] = []
-        if trainer.sharded_checkpoints:
-            scratch = shard_scratch_dir(run_dir / CHECKPOINTS_DIR, trainer.step_count)
-            if dist_info.is_main:
-                scratch.mkdir(parents=True, exist_ok=True)
-            barrier(dist_info.group)
-            if not dist_info.is_main:
-                write_tensor_groups(scratch, tensors)
-            barrier(dist_info.group)  # every rank's shards are on disk
-            adopt = sorted(scratch.glob("*-rank*"))
-        path = None
-        if dist_info.is_main:
-            path = save_checkpoint(
-                run_dir / CHECKPOINTS_DIR,
-                trainer.step_count,
-                tensors=tensors,
-                state=state,
-                manifest=manifest,
-                tag=tag,
-                keep_last=cfg.run.keep_last,
-                adopt=adopt,
-                best=is_best,
-            )
-        if trainer.sharded_checkpoints:
-            barrier(
-                dist_info.group
-            )  # no rank writes the next checkpoint's shards before this one is committed
-        return path
-
     if checkpoint is not None:
+        run.resume(checkpoint, allow_config_change)
+    return run.run()
+
+
+class PPORun:
+    """A whole run around the trainer: :meth:`start` (step 0: the first evaluation, the reward
+    pre-flight, the first checkpoint), :meth:`after_step` (evaluation cadence, guards, best, checkpoint
+    cadence, signals) and :meth:`finish` (the final checkpoint and exports); :meth:`run` is the loop."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        spec: RunSpec,
+        dist_info: DistInfo,
+        checkpoint: Checkpoint | None,
+        evaluator_factory: Callable[[PPOModels], Evaluator] | None = None,
+    ) -> None:
+        self.cfg, self.spec, self.dist_info = cfg, spec, dist_info
+        self.run_dir, self.resumed = Path(cfg.run.output_dir), checkpoint is not None
+        seed_everything(cfg.run.seed)  # every rank builds the same models (fresh heads, LoRA adapters)
+        self.models = models = load_models(cfg, spec)
+        located_prompts = load_located_prompts(cfg.data.prompts, cfg.data.split)
+        self.prompts = [prompt for _, prompt in located_prompts]
+        self.trainer = build_trainer(
+            cfg,
+            spec,
+            models,
+            self.prompts,
+            ptx_batches=ptx_batches(cfg, models.tokenizer, spec.device, dist_info.rank),
+            group=dist_info.group,
+            rank=dist_info.rank,
+        )
+        for (
+            where,
+            prompt,
+        ) in located_prompts:  # a bad prompt is named by its file and line now, not at some step
+            self.trainer.generator.query_ids(prompt, where)
+        evaluator = evaluator_factory(models) if evaluator_factory else None
+        if (
+            evaluator is None and cfg.data.eval_prompts and cfg.run.eval_every
+        ):  # the config's held-out evaluation
+            evaluator = run_evaluator(cfg, models, dist_info.rank, dist_info.world_size, dist_info.group)
+        self.evaluator = evaluator if cfg.run.eval_every > 0 else None
+        if dist_info.world_size > 1:
+            seed_everything(
+                rank_seed(cfg.run.seed, dist_info.rank)
+            )  # then each rank samples its own responses
+        self.guards = Guards(cfg.guards)
+        self.best: dict = {}  # the step with the best held-out score: step, metric, score
+        self.manifest = {
+            "config": cfg.model_dump(mode="json"),
+            "identities": models.identities,
+            "world_size": dist_info.world_size,
+        }
+
+    def resume(self, checkpoint: Checkpoint, allow_config_change: bool) -> None:
+        """Continue from ``checkpoint``: the trainer's whole state, the guards' and the best step so far."""
         differences = check_compatible(
             checkpoint.manifest,
-            manifest["config"],
-            models.identities,
+            self.manifest["config"],
+            self.models.identities,
             allow_config_change,
-            dist_info.world_size,
+            self.dist_info.world_size,
         )
-        manifest["resumed_with_differences"] = differences
-        trainer.load_state_payload(checkpoint.tensors, checkpoint.state)
-        trainer.apply_changed_settings({d.split(":", 1)[0].removeprefix("config.") for d in differences})
-        guards.load_state_dict(checkpoint.state["guards"])
-    elif dist_info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    if dist_info.is_main:  # the settings the run goes on with, for the next plain --resume
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        self.manifest["resumed_with_differences"] = differences
+        load_state_payload(self.trainer, checkpoint.tensors, checkpoint.state)
+        changed = {d.split(":", 1)[0].removeprefix("config.") for d in differences}
+        apply_changed_settings(self.trainer, self.cfg, changed)
+        self.guards.load_state_dict(checkpoint.state["guards"])
+        self.best = dict(checkpoint.state.get("best") or {})
 
-    def evaluate() -> dict[str, float]:
-        """Held-out eval/* metrics of the current policy, global (in its own RNG stream: the
-        training draws stay as they were)."""
-        with trainer.autocast(), gathered(models.policy, models.reference, *models.reward_models):
-            return evaluator()
+    def save(self, tag: str, is_best: bool = False) -> Path | None:
+        """Every rank calls it; rank 0 writes and gets the path. ``is_best``: this step has the best
+        held-out score so far (``best`` points at it)."""
+        extra = {"guards": self.guards.state_dict(), "best": self.best or None}
+        return save_trainer_checkpoint(
+            self.trainer,
+            self.run_dir,
+            extra,
+            manifest=self.manifest,
+            tag=tag,
+            keep_last=self.cfg.run.keep_last,
+            best=is_best,
+        )
 
-    def improves_best(metrics: dict[str, float]) -> bool:
+    def evaluate(self) -> dict[str, float]:
+        """Held-out eval/* metrics of the current policy, global (in its own RNG stream: the training
+        draws stay as they were)."""
+        models = self.models
+        with self.trainer.autocast(), gathered(models.policy, models.reference, *models.reward_models):
+            return self.evaluator()
+
+    def improves_best(self, metrics: dict[str, float]) -> bool:
         """Whether this step's held-out score (the judge's, else the RM's) beats every earlier one; if so
         it becomes the best. The seeds stop on held-out quality, not on the training reward."""
         score = held_out_score(metrics)
-        if score is None or (best and score[1] <= best["score"]):
+        if score is None or (self.best and score[1] <= self.best["score"]):
             return False
-        best.update(step=trainer.step_count, metric=score[0], score=score[1])
+        self.best.update(step=self.trainer.step_count, metric=score[0], score=score[1])
         return True
 
-    def reward_preflight() -> Preflight:
+    def reward_preflight(self) -> Preflight:
         """How the reward scores the starting policy's samples (global; its own RNG stream)."""
+        cfg, models, dist_info = self.cfg, self.models, self.dist_info
         slices = prompt_slices(cfg.data.prompts, cfg.data.split, cfg.data.slice_key)
-        with trainer.autocast(), gathered(models.policy, *models.reward_models):
+        with self.trainer.autocast(), gathered(models.policy, *models.reward_models):
             return run_preflight(
-                cfg, models.policy, models.tokenizer, models.reward, prompts, slices,
+                cfg, models.policy, models.tokenizer, models.reward, self.prompts, slices,
                 dist_info.rank, dist_info.world_size, dist_info.group,
             )  # fmt: skip
 
-    evaluating = evaluator is not None and cfg.run.eval_every > 0
-    start: dict[str, float] = {}  # step 0: the starting policy, what every later record is read against
-    preflight = None
-    if checkpoint is None:  # the pre-PPO bundle is the first last-known-good checkpoint
+    def start(self) -> tuple[dict[str, float], Preflight | None]:
+        """Step 0 of a new run: the starting policy's evaluation and reward pre-flight, what every later
+        record is read against, saved as the first last-known-good checkpoint."""
+        start: dict[str, float] = {}
         try:
-            start.update(evaluate() if evaluating else {})
-            preflight = reward_preflight() if cfg.diagnosis.preflight_batches else None
+            start.update(self.evaluate() if self.evaluator else {})
+            preflight = self.reward_preflight() if self.cfg.diagnosis.preflight_batches else None
         except UserCodeError as err:  # nothing was trained or saved yet
             raise UserCodeError(
                 f"{err}\n--- the run stopped before step 1, scoring the starting policy's samples (the "
@@ -277,87 +280,118 @@ def _train(
             ) from None
         if preflight is not None:
             start.update(preflight.metrics)
-            if dist_info.is_main:
-                write_preflight_json(run_dir, preflight)
-        guards.start(start)
-        save("ok", is_best=improves_best(start))
+            if self.dist_info.is_main:
+                write_preflight_json(self.run_dir, preflight)
+        self.guards.start(start)
+        self.save("ok", is_best=self.improves_best(start))
+        return start, preflight
 
-    with (
-        StopOnSignal() as stop,  # outermost: a signal during the other exits only sets its flag
-        MetricsLogger(
-            run_dir,
-            cfg.logging.sinks,
-            is_main_process=dist_info.is_main,
-            run_name=cfg.logging.run_name,
-            config=manifest["config"],
-            resume_step=trainer.step_count if checkpoint else None,
-        ) as logger,
-        ProgressDisplay(
-            cfg.run.steps, quiet=cfg.logging.quiet, start_step=trainer.step_count, enabled=dist_info.is_main
-        ) as progress,
-    ):
-        earlier = read_metrics(run_dir) if checkpoint and (run_dir / METRICS_FILE).is_file() else []
-        live = LiveDiagnosis(cfg.diagnosis, [r for r in earlier if r["step"] <= trainer.step_count])
+    def run(self) -> Path:
+        """Step 0 (a new run), the PPO steps, the end; returns the run directory."""
+        cfg, trainer, is_main = self.cfg, self.trainer, self.dist_info.is_main
+        if is_main:  # the settings the run goes on with, for the next plain --resume
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        start, preflight = ({}, None) if self.resumed else self.start()
+        with (
+            StopOnSignal() as self.stop,  # outermost: a signal during the other exits only sets its flag
+            MetricsLogger(
+                self.run_dir,
+                cfg.logging.sinks,
+                is_main_process=is_main,
+                run_name=cfg.logging.run_name,
+                config=self.manifest["config"],
+                resume_step=trainer.step_count if self.resumed else None,
+            ) as self.logger,
+            ProgressDisplay(
+                cfg.run.steps, quiet=cfg.logging.quiet, start_step=trainer.step_count, enabled=is_main
+            ) as self.progress,
+        ):
+            earlier = (
+                read_metrics(self.run_dir) if self.resumed and (self.run_dir / METRICS_FILE).is_file() else []
+            )
+            self.live = LiveDiagnosis(cfg.diagnosis, [r for r in earlier if r["step"] <= trainer.step_count])
+            if preflight is not None:
+                self.progress.note(summary_line(preflight))
+            if start:
+                self.log(0, start)
+            improved = False
+            while trainer.step_count < cfg.run.steps:
+                improved = self.after_step(self.step())
+        return self.finish(improved)
 
-        def log(step: int, metrics: dict[str, float]) -> None:
-            """Record a step and show what the diagnosis rules newly find in the history so far."""
-            logger.log(step, metrics)
-            for finding in live.add(step, metrics):
-                progress.note(
-                    f"diagnosis at step {step}: {finding.rule}: {finding.evidence} (cause and fix: "
-                    f"`lmppo diagnose {run_dir}`)"
-                )
+    def step(self) -> dict[str, float]:
+        """One PPO step, its evaluation when due, its metrics reduced over the ranks and logged."""
+        trainer = self.trainer
+        try:
+            metrics = trainer.step()
+        except UserCodeError as err:  # nothing of the failed step was applied or saved
+            raise UserCodeError(
+                f"{err}\n--- the run stopped in step {trainer.step_count + 1}; its last checkpoint, "
+                f"{latest_checkpoint(self.run_dir)}, is intact: fix the code and continue with "
+                f"`lmppo ppo --resume {self.run_dir}`"
+            ) from None
+        if self.evaluator and trainer.step_count % self.cfg.run.eval_every == 0:
+            metrics.update(self.evaluate())
+        metrics = reduce_metrics(metrics, self.dist_info.group)
+        self.log(trainer.step_count, metrics)
+        self.progress.update(trainer.step_count, metrics)
+        return metrics
 
-        if preflight is not None:
-            progress.note(summary_line(preflight))
-        if start:
-            log(0, start)
-        improved = False
-        while trainer.step_count < cfg.run.steps:
-            try:
-                metrics = trainer.step()
-            except UserCodeError as err:  # nothing of the failed step was applied or saved
-                raise UserCodeError(
-                    f"{err}\n--- the run stopped in step {trainer.step_count + 1}; its last checkpoint, "
-                    f"{latest_checkpoint(run_dir)}, is intact: fix the code and continue with "
-                    f"`lmppo ppo --resume {run_dir}`"
-                ) from None
-            if evaluating and trainer.step_count % cfg.run.eval_every == 0:
-                metrics.update(evaluate())
-            metrics = reduce_metrics(metrics, dist_info.group)
-            log(trainer.step_count, metrics)
-            progress.update(trainer.step_count, metrics)
-            violation = guards.check(trainer.step_count, metrics)
-            if violation is not None:  # metrics are global, so every rank finds the same violation
-                aborted = save("aborted")
-                kept = (
-                    export_best(run_dir, best, cfg, device, models.tokenizer)
-                    if best and dist_info.is_main
-                    else None
-                )
-                barrier(dist_info.group)  # no rank exits (torchrun then stops the rest) while rank 0 writes
-                raise guard_abort(violation, aborted, kept, live.findings(), cfg)
-            if any_rank(stop.requested is not None, dist_info.group):  # a signal may reach one rank first
-                path = save("interrupted")
-                received = stop.requested or signal.SIGTERM  # the rank the signal reached first knows which
-                raise Interrupted(
-                    f"{received.name}: stopped after step {trainer.step_count} and saved "
-                    f"{path or 'the checkpoint'}; continue with `lmppo ppo --resume {run_dir}`",
-                    received.value,
-                )
-            improved = guards.healthy and improves_best(metrics)  # a best step is a last good one too
-            every = cfg.run.checkpoint_every
-            periodic = every and trainer.step_count % every == 0
-            if (improved or periodic) and trainer.step_count < cfg.run.steps:  # the last step saves below
-                save("ok" if guards.healthy else "unhealthy", is_best=improved)  # only healthy is last good
-    save("ok" if guards.healthy else "unhealthy", is_best=improved)
-    policy = whole_policy(cfg, models, device, dist_info.is_main) if trainer.sharded else models.policy
-    if dist_info.is_main:
-        export_final(run_dir / "final", policy, models.tokenizer, cfg)
-        if best and best["step"] != trainer.step_count:  # the held-out best is an earlier policy
-            export_best(run_dir, best, cfg, device, models.tokenizer)
-    barrier(dist_info.group)  # no rank leaves (and tears the group down) before the final model is written
-    return run_dir
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record a step and show what the diagnosis rules newly find in the history so far."""
+        self.logger.log(step, metrics)
+        for finding in self.live.add(step, metrics):
+            self.progress.note(
+                f"diagnosis at step {step}: {finding.rule}: {finding.evidence} (cause and fix: "
+                f"`lmppo diagnose {self.run_dir}`)"
+            )
+
+    def after_step(self, metrics: dict[str, float]) -> bool:
+        """Guards (abort), signals (stop), the best step and the checkpoint cadence; returns whether this
+        step is the best so far."""
+        step, group = self.trainer.step_count, self.dist_info.group
+        violation = self.guards.check(step, metrics)
+        if violation is not None:  # metrics are global, so every rank finds the same violation
+            aborted = self.save("aborted")
+            kept = self.export_best() if self.best and self.dist_info.is_main else None
+            barrier(group)  # no rank exits (torchrun then stops the rest) while rank 0 writes
+            raise guard_abort(violation, aborted, kept, self.live.findings(), self.cfg)
+        if any_rank(self.stop.requested is not None, group):  # a signal may reach one rank first
+            path = self.save("interrupted")
+            received = self.stop.requested or signal.SIGTERM  # the rank the signal reached first knows which
+            raise Interrupted(
+                f"{received.name}: stopped after step {step} and saved {path or 'the checkpoint'}; continue "
+                f"with `lmppo ppo --resume {self.run_dir}`",
+                received.value,
+            )
+        improved = self.guards.healthy and self.improves_best(metrics)  # a best step is a last good one too
+        every = self.cfg.run.checkpoint_every
+        if (
+            improved or (every and step % every == 0)
+        ) and step < self.cfg.run.steps:  # the last saves in finish
+            self.save(
+                "ok" if self.guards.healthy else "unhealthy", is_best=improved
+            )  # only healthy is last good
+        return improved
+
+    def finish(self, improved: bool) -> Path:
+        """The last checkpoint, ``final/`` and (when an earlier step was better held out) ``best/``."""
+        self.save("ok" if self.guards.healthy else "unhealthy", is_best=improved)
+        cfg, models, is_main = self.cfg, self.models, self.dist_info.is_main
+        policy = whole_policy(cfg, self.spec, models, is_main) if self.spec.sharded else models.policy
+        if is_main:
+            export_final(self.run_dir / "final", policy, models.tokenizer, cfg)
+            if self.best and self.best["step"] != self.trainer.step_count:  # the held-out best is earlier
+                self.export_best()
+        barrier(
+            self.dist_info.group
+        )  # no rank leaves (and tears the group down) before the final model is written
+        return self.run_dir
+
+    def export_best(self) -> Path:
+        """``best/``: the policy of the step with the best held-out score, from its checkpoint."""
+        return export_best(self.run_dir, self.best, self.cfg, self.spec, self.models.tokenizer)
 
 
 def guard_abort(
@@ -434,12 +468,10 @@ def ptx_batches(
     return next_batch
 
 
-def plain_policy(
-    cfg: Config, device: torch.device, weights: dict[str, torch.Tensor], source: str
-) -> nn.Module:
+def plain_policy(spec: RunSpec, weights: dict[str, torch.Tensor], source: str) -> nn.Module:
     """The starting policy built afresh on the CPU with ``weights`` (all of them, or the trained ones)
     loaded over it; ``source`` names where they come from in an error."""
-    policy = load_policy(cfg, resolve_precision(cfg.run.precision, device))
+    policy = load_policy(spec.policy)
     unexpected = policy.load_state_dict(
         {k: v.cpu() for k, v in weights.items()}, strict=False
     ).unexpected_keys
@@ -448,25 +480,25 @@ def plain_policy(
     return policy
 
 
-def whole_policy(cfg: Config, models: PPOModels, device: torch.device, is_main: bool) -> nn.Module | None:
+def whole_policy(cfg: Config, spec: RunSpec, models: PPOModels, is_main: bool) -> nn.Module | None:
     """An FSDP2-sharded policy's weights gathered whole into a plain copy on rank 0's CPU (every rank
     takes part in the gathering; the others get None)."""
     state = {name: full_tensor(tensor) for name, tensor in models.policy.state_dict().items()}
-    return plain_policy(cfg, device, state, "the sharded policy") if is_main else None
+    return plain_policy(spec, state, "the sharded policy") if is_main else None
 
 
-def checkpointed_policy(cfg: Config, device: torch.device, path: Path) -> nn.Module:
+def checkpointed_policy(spec: RunSpec, path: Path) -> nn.Module:
     """A plain copy of the policy with the trained weights the checkpoint at ``path`` holds (whole, or
     put together from a sharded checkpoint's per-rank files), on the CPU."""
     saved = load_checkpoint(path)
     weights = whole_group(saved.tensors, "policy", saved.state.get("sharded_ranks"))
-    return plain_policy(cfg, device, weights, f"checkpoint {path}")
+    return plain_policy(spec, weights, f"checkpoint {path}")
 
 
-def export_best(run_dir: Path, best: dict, cfg: Config, device: torch.device, tokenizer) -> Path:
+def export_best(run_dir: Path, best: dict, cfg: Config, spec: RunSpec, tokenizer) -> Path:
     """``best/``: the policy of the step with the best held-out score (``best``: its step, metric and
     score), from its checkpoint."""
-    policy = checkpointed_policy(cfg, device, best_checkpoint(run_dir))
+    policy = checkpointed_policy(spec, best_checkpoint(run_dir))
     held_out = f"the best {best['metric']} on the held-out prompts ({best['score']:.4g})"
     return export_final(run_dir / "best", policy, tokenizer, cfg, f"step {best['step']}: {held_out}")
 

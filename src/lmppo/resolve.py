@@ -1,0 +1,260 @@
+"""Every decision a config implies, made once, before anything heavy is loaded: :func:`resolve` turns a
+config into a :class:`RunSpec`: the device, the precision, the strategy and what it shards, and one
+:class:`RoleSpec` per model (where its weights come from and in which dtype, what of it is trained, what
+it shares with whom, how many ranks hold a part of it). ``lmppo plan``, the builders, the trainer, the
+pre-flight and both evaluations read the spec and decide none of these themselves. Every check that needs
+more than one section (world size, strategy, engine, critic source, 16-bit trained weights) runs here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from lmppo.config import Config, LoraConfig, ModelSource, RewardConfig
+from lmppo.errors import LmppoError
+
+Trained = Literal["all", "lora", "head", "none"]  # what of a model the optimizer steps
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One model of a run as the config decides it.
+
+    ``source`` is where its own weights come from, with the dtype settled; it is None for a reward
+    function and for a model made of another's weights: the reference as the policy's adapter-disabled
+    view or a frozen copy of its starting weights (``shares`` / ``copy_of`` name it), a critic on the
+    policy's trunk. ``dtype`` is the frozen weights' dtype (trained weights are fp32 masters).
+    """
+
+    role: str  # "policy", "reference", "reward" or "reward <component>", "value"
+    source: ModelSource | None
+    dtype: str  # "-" for a function
+    trained: Trained = "none"
+    lora: LoraConfig | None = None
+    shares: str | None = None  # the role whose weights this one runs on (LoRA reference, shared critic)
+    copy_of: str | None = None  # the role whose starting weights this one copies, cast to ``dtype``
+    init_from: str | None = None  # a separate critic's backbone: "policy" or "reward"
+    shards: int = 1  # ranks FSDP2 splits its weights (and gradients, Adam moments) over
+
+    @property
+    def note(self) -> str:
+        """How it is made, in a few words (the plan's table)."""
+        lora = f"LoRA r{self.lora.r}" if self.lora else ""
+        if self.source is None and self.dtype == "-":
+            return "function"
+        if self.shares:
+            return "shared trunk" if self.role == "value" else f"= {self.shares} base"
+        if self.copy_of:
+            return "a copy"
+        made = f"from {self.init_from}" if self.init_from else ""
+        return ", ".join(filter(None, [lora, made]))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """The resolved run: read by the plan, the builders, the trainer, the pre-flight and evaluation."""
+
+    device: torch.device
+    precision: str  # "bf16" or "fp32": the forward passes' numerics
+    world_size: int
+    strategy: str  # "ddp" or "fsdp2" (one process: "ddp", nothing to sync)
+    sharded: bool  # FSDP2 over several ranks: the models are split, every pass outside the update gathers
+    sharded_checkpoints: bool  # each rank writes its own shards
+    values_from_decode: bool  # a shared-trunk critic's values read off the decode loop's hidden states
+    policy: RoleSpec
+    reference: RoleSpec
+    rewards: tuple[RoleSpec, ...]  # one per reward component, in the config's order
+    value: RoleSpec
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype forward passes compute in (None: the weights' own)."""
+        return torch.bfloat16 if self.precision == "bf16" else None
+
+    @property
+    def roles(self) -> list[RoleSpec]:
+        return [self.policy, self.reference, *self.rewards, self.value]
+
+
+def resolve(
+    cfg: Config, *, device: torch.device | str | None = None, world_size: int = 1, present: bool = True
+) -> RunSpec:
+    """The run ``cfg`` describes on ``world_size`` ranks of ``device`` (default: ``run.device``).
+    ``present=False`` for a plan, which may be made for a CUDA device this machine does not have."""
+    device = torch.device(device) if device is not None else resolve_device(cfg.run.device, present=present)
+    precision = resolve_precision(cfg.run.precision, device)
+    check_distributed(cfg, world_size)
+    check_engine(cfg, world_size)
+    strategy = cfg.distributed.strategy
+    sharded = strategy == "fsdp2" and world_size > 1
+    trained_shards = world_size if sharded else 1
+    frozen_shards = world_size if sharded and cfg.distributed.shard_frozen else 1
+    policy = policy_role(cfg, precision, trained_shards)
+    rewards = reward_roles(cfg.reward, precision, frozen_shards)
+    return RunSpec(
+        device=device,
+        precision=precision,
+        world_size=world_size,
+        strategy=strategy,
+        sharded=sharded,
+        sharded_checkpoints=sharded and cfg.distributed.checkpoint == "sharded",
+        # under FSDP2 the head is sharded with the trunk, so the trainer's gathered values pass stays
+        values_from_decode=cfg.models.value.mode == "shared" and not sharded and cfg.rollout.engine == "hf",
+        policy=policy,
+        reference=reference_role(cfg, precision, policy, frozen_shards),
+        rewards=rewards,
+        value=value_role(cfg, policy, rewards, trained_shards),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Device, precision, dtypes
+# --------------------------------------------------------------------------------------------------
+
+
+def resolve_device(name: str, *, present: bool = True) -> torch.device:
+    """``run.device``: auto picks CUDA when a device is visible. ``present=False`` for a plan, which may be
+    made for a CUDA device this machine does not have."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and present and not torch.cuda.is_available():
+        raise LmppoError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+    return torch.device(name)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``run.precision`` for this device: ``auto`` is bf16 on a CUDA device with bf16 support (assumed for
+    one that is planned for but not present), else fp32 (CPUs without AMX run bf16 matmuls no faster)."""
+    if precision != "auto":
+        return precision
+    if device.type != "cuda":
+        return "fp32"
+    return "bf16" if not torch.cuda.is_available() or torch.cuda.is_bf16_supported() else "fp32"
+
+
+def settled_dtype(section: ModelSource, where: str, *, precision: str, trained: bool) -> ModelSource:
+    """``section`` with its weights' dtype decided: unset means bfloat16 for frozen weights under bf16
+    and float32 otherwise. Trained weights are fp32 masters (bf16 Adam updates round away small steps),
+    so an explicit 16-bit dtype on fully trained weights is refused."""
+    if section.dtype is None:
+        dtype = "bfloat16" if precision == "bf16" and not trained else "float32"
+        return section.model_copy(update={"dtype": dtype})
+    if trained and section.dtype != "float32":
+        raise LmppoError(
+            f"{where}.dtype={section.dtype} would train every weight in 16 bits, with no fp32 master copy "
+            f"for Adam's small updates; remove {where}.dtype (run.precision=bf16 computes in bf16 and keeps "
+            "fp32 weights), or train LoRA adapters on the 16-bit base (models.policy_lora.enabled=true)"
+        )
+    return section
+
+
+# --------------------------------------------------------------------------------------------------
+# The four roles
+# --------------------------------------------------------------------------------------------------
+
+
+def policy_role(cfg: Config, precision: str, shards: int = 1) -> RoleSpec:
+    """The policy: all of it trained in fp32, or LoRA adapters on a base in the frozen dtype."""
+    lora = cfg.models.policy_lora
+    source = settled_dtype(cfg.models.policy, "models.policy", precision=precision, trained=not lora.enabled)
+    trained = "lora" if lora.enabled else "all"
+    return RoleSpec("policy", source, source.dtype, trained, lora if lora.enabled else None, shards=shards)
+
+
+def frozen_policy_source(cfg: Config, spec: RunSpec) -> ModelSource:
+    """``models.policy`` to load for evaluation only: frozen, so in the frozen dtype of the run's precision."""
+    return settled_dtype(cfg.models.policy, "models.policy", precision=spec.precision, trained=False)
+
+
+def reference_role(cfg: Config, precision: str, policy: RoleSpec, shards: int = 1) -> RoleSpec:
+    """Its own frozen model; else the policy's starting weights: the adapter-disabled policy under LoRA (no
+    weights of its own), or a frozen copy (2 bytes per weight under bf16)."""
+    if cfg.models.reference is not None:
+        source = settled_dtype(cfg.models.reference, "models.reference", precision=precision, trained=False)
+        return RoleSpec("reference", source, source.dtype, shards=shards)
+    if policy.lora is not None:
+        return RoleSpec("reference", None, policy.dtype, shares="policy")
+    return RoleSpec(
+        "reference", None, "bfloat16" if precision == "bf16" else "float32", copy_of="policy", shards=shards
+    )
+
+
+def reward_roles(reward: RewardConfig, precision: str, shards: int = 1) -> tuple[RoleSpec, ...]:
+    """One frozen reward model (in the frozen dtype) or function per reward component."""
+    named = bool(reward.components)
+    roles = []
+    for i, component in enumerate(reward.sources()):
+        role = f"reward {component.name}" if named else "reward"
+        if component.model is None:
+            roles.append(RoleSpec(role, None, "-"))
+            continue
+        where = f"reward.components[{i}].model" if named else "reward.model"
+        source = settled_dtype(component.model, where, precision=precision, trained=False)
+        roles.append(RoleSpec(role, source, source.dtype, shards=shards))
+    return tuple(roles)
+
+
+def value_role(cfg: Config, policy: RoleSpec, rewards: tuple[RoleSpec, ...], shards: int = 1) -> RoleSpec:
+    """The critic: an fp32 head on the policy's trunk (sharded with it), or a separate network from the
+    policy or the first reward model, all of it trained in fp32 or LoRA on a base in that model's dtype."""
+    v = cfg.models.value
+    if v.mode == "shared":
+        return RoleSpec("value", None, "float32", "head", shares="policy", shards=shards)
+    if v.init_from == "reward":
+        learned = [r for r in rewards if r.source is not None]
+        if not learned:
+            raise LmppoError(
+                "models.value.init_from=reward needs a reward model (reward.model, or a learned reward "
+                "component); with a programmatic reward use models.value.init_from=policy"
+            )
+        base = learned[0]
+    else:
+        base = policy
+    lora = v.lora if v.lora.enabled else None
+    dtype = base.dtype if lora else "float32"  # what is trained is fp32, also when copied from 16 bits
+    return RoleSpec(
+        "value", None, dtype, "lora" if lora else "all", lora, init_from=v.init_from, shards=shards
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks across sections
+# --------------------------------------------------------------------------------------------------
+
+
+def check_distributed(cfg: Config, world_size: int) -> None:
+    """FSDP2 needs ranks to shard over, and every global batch size splits evenly over the ranks."""
+    if cfg.distributed.strategy == "fsdp2" and world_size == 1:
+        raise LmppoError(
+            "distributed.strategy=fsdp2 shards the models over the ranks torchrun starts, and this is one "
+            "process; start it with `torchrun --nproc-per-node N -m lmppo ppo ...`, or set "
+            "distributed.strategy=ddp"
+        )
+    global_sizes = {
+        "rollout.batch_size": cfg.rollout.batch_size,
+        "ppo.minibatch_size": cfg.ppo.minibatch_size,
+        "ppo.micro_batch_size": cfg.ppo.micro_batch_size,
+    }
+    for name, size in global_sizes.items():
+        if size is not None and size % world_size:
+            raise LmppoError(
+                f"{name}={size} is a global size and must be divisible by the {world_size} ranks; "
+                f"set it to a multiple of {world_size} or change --nproc-per-node"
+            )
+
+
+def check_engine(cfg: Config, world_size: int) -> None:
+    """vLLM runs in one process and loads the policy from a transformers directory."""
+    if cfg.rollout.engine != "vllm":
+        return
+    if world_size > 1:
+        raise LmppoError("rollout.engine=vllm runs with one process; use rollout.engine=hf under torchrun")
+    if cfg.models.policy.gguf_file or not Path(cfg.models.policy.path).is_dir():
+        raise LmppoError(
+            "rollout.engine=vllm loads models.policy.path as a transformers directory; convert a "
+            "GGUF file first (lmppo.models.cache_gguf_as_transformers)"
+        )

@@ -1,0 +1,130 @@
+"""The run spec: every decision a config implies, made once; the plan's rows and the built models agree
+with it across the config matrix."""
+
+import itertools
+
+import pytest
+import torch
+from helpers import llama_config, toy_models
+from transformers import LlamaForSequenceClassification
+
+from lmppo.build import load_models
+from lmppo.config import load_config
+from lmppo.errors import LmppoError
+from lmppo.models import LoraReference
+from lmppo.plan import memory_plan
+from lmppo.resolve import resolve, resolve_device
+
+
+def test_a_cuda_run_without_a_visible_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(LmppoError, match="run.device=cpu or auto"):
+        resolve_device("cuda")
+    assert resolve_device("auto").type == "cpu"
+
+
+def test_global_sizes_must_split_over_the_ranks(run_files):
+    resolve(load_config(run_files, ["rollout.batch_size=8", "ppo.minibatch_size=4"]), world_size=2)
+    with pytest.raises(LmppoError, match=r"ppo.minibatch_size=3 .*divisible by the 2 ranks"):
+        resolve(load_config(run_files, ["rollout.batch_size=8", "ppo.minibatch_size=3"]), world_size=2)
+
+
+def test_cross_section_refusals_come_before_any_load(run_files):
+    with pytest.raises(LmppoError, match="fsdp2 shards the models over the ranks"):
+        resolve(load_config(run_files, ["distributed.strategy=fsdp2"]))
+    with pytest.raises(LmppoError, match="rollout.engine=vllm runs with one process"):
+        resolve(load_config(run_files, ["rollout.engine=vllm"]), world_size=2)
+    with pytest.raises(LmppoError, match="models.policy.dtype=bfloat16 would train every weight in 16 bits"):
+        resolve(load_config(run_files, ["models.policy.dtype=bfloat16"]))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "shard_frozen", "engine", "shards", "frozen_shards", "from_decode"),
+    [
+        ("ddp", False, "hf", 1, 1, True),
+        ("fsdp2", False, "hf", 2, 1, False),
+        ("fsdp2", True, "hf", 2, 2, False),
+    ],
+)
+def test_strategy_decides_what_is_sharded_and_where_values_come_from(
+    run_files, strategy, shard_frozen, engine, shards, frozen_shards, from_decode
+):
+    overrides = [f"distributed.strategy={strategy}", f"distributed.shard_frozen={str(shard_frozen).lower()}"]
+    cfg = load_config(
+        run_files, [*overrides, "models.value.mode=shared", "rollout.batch_size=8", "ppo.minibatch_size=4"]
+    )
+    spec = resolve(cfg, world_size=2)
+    assert spec.sharded == (strategy == "fsdp2") and spec.values_from_decode == from_decode
+    assert (spec.policy.shards, spec.value.shards, spec.reference.shards) == (shards, shards, frozen_shards)
+    rows = {row.role: row for row in memory_plan(cfg, spec=spec).models}
+    assert {role: row.shards for role, row in rows.items()} == {r.role: r.shards for r in spec.roles}
+
+
+@pytest.fixture
+def reward_model_dir(tmp_path):
+    """A reward model on the policy's vocabulary, so a critic may start from it."""
+    tokenizer = toy_models().tokenizer
+    LlamaForSequenceClassification(llama_config(tokenizer, num_labels=1)).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    return tmp_path / "rm"
+
+
+CRITICS = {
+    "shared": ["models.value.mode=shared"],
+    "from-policy": ["models.value.init_from=policy"],
+    "from-policy-lora": ["models.value.init_from=policy", "models.value.lora.enabled=true"],
+    "from-reward": ["models.value.init_from=reward"],
+    "from-reward-lora": ["models.value.init_from=reward", "models.value.lora.enabled=true"],
+}
+
+
+def frozen_dtypes(module) -> set[torch.dtype]:
+    return {p.dtype for p in module.parameters() if not p.requires_grad}
+
+
+@pytest.mark.parametrize(
+    ("lora", "critic", "precision"),
+    list(itertools.product([False, True], CRITICS, ["fp32", "bf16"])),
+    ids=lambda v: {False: "full", True: "lora"}.get(v, v) if isinstance(v, bool) else v,
+)
+def test_the_plan_and_the_built_models_agree_on_every_role(
+    run_files, reward_model_dir, lora, critic, precision
+):
+    """The config matrix: each role's parameters, trained share, frozen dtype and sharing, as the plan
+    counts them and as the builders make them, both read off one spec."""
+    overrides = [
+        f"models.policy_lora.enabled={str(lora).lower()}",
+        *CRITICS[critic],
+        f"run.precision={precision}",
+        f"reward.model.path={reward_model_dir}",
+        "reward.function=null",
+    ]
+    cfg = load_config(run_files, overrides)
+    spec = resolve(cfg, device="cpu")
+    rows = {row.role: row for row in memory_plan(cfg, spec=spec).models}
+    models = load_models(cfg, spec)
+    built = {
+        "policy": models.policy,
+        "reference": models.reference,
+        "reward": models.reward_models[0],
+        "value": models.value.head if spec.value.shares else models.value,
+    }
+    for role in spec.roles:
+        row, module = rows[role.role], built[role.role]
+        assert (row.dtype, row.note) == (role.dtype, role.note)
+        if isinstance(module, LoraReference):  # the policy's base, run without the adapter
+            assert role.shares == "policy" and row.parameters == 0
+            assert frozen_dtypes(models.policy) == {getattr(torch, role.dtype)}
+            continue
+        params = list(module.parameters())
+        trained = [p for p in params if p.requires_grad]
+        assert (row.parameters, row.trained) == (
+            sum(p.numel() for p in params),
+            sum(p.numel() for p in trained),
+        )
+        assert {p.dtype for p in trained} <= {torch.float32}  # trained weights are fp32 masters
+        assert frozen_dtypes(module) <= {getattr(torch, role.dtype)}
+        assert bool(trained) == (role.trained != "none")
+    assert models.value.shared_trunk == (spec.value.shares == "policy")
+    assert models.identities["value"]["init_from"] == (spec.value.init_from or "policy")
+    assert (models.identities["reference"]["shared_with"] == "policy") == (spec.reference.source is None)
