@@ -105,7 +105,7 @@ def prepare(base: Path, seed: int, overrides: list[str]) -> list[str]:
 
 def train_another_reward_model(base: Path, seed: int, out: Path) -> None:
     """The quickstart's RM stage again on the same SFT transformer and pairs, with another seed."""
-    from lmppo.models import load_causal_lm
+    from lmppo.loading import load_causal_lm
     from lmppo.quickstart import quickstart_config, train_toy_reward_model
     from lmppo.toy.models import load_toy_world
 

@@ -78,7 +78,7 @@ def decided_by(pair: dict) -> str:
 def rm_report(directories: list[str], pairs_path: Path) -> dict:
     """Held-out accuracy of each reward model, overall and by slice: ``decided_by`` and ``chosen_is``
     (is the chosen answer the shorter or the longer one, in words)."""
-    from lmppo.models import load_reward_model, load_tokenizer
+    from lmppo.loading import load_reward_model, load_tokenizer
     from lmppo.reward_modeling import evaluate_reward_model, load_preference_jsonl
 
     pairs = load_preference_jsonl(pairs_path)

@@ -52,7 +52,7 @@ def tiny_model(work_dir: Path) -> Path:
     response runs to the length limit, so both engines do the same work)."""
     from transformers import LlamaForCausalLM
 
-    from lmppo.models import load_tokenizer
+    from lmppo.loading import load_tokenizer
     from lmppo.toy.models import build_toy_world, tiny_llama_config
 
     out = work_dir / "tiny"
@@ -68,7 +68,7 @@ def tiny_model(work_dir: Path) -> Path:
 
 
 def smollm2_model() -> Path:
-    from lmppo.models import cache_gguf_as_transformers
+    from lmppo.loading import cache_gguf_as_transformers
 
     sys.path.insert(0, str(ROOT / "tests"))
     from test_smollm2 import CACHE_DIR, smollm2_gguf

@@ -30,7 +30,7 @@ def worker(args) -> dict:
     from lmppo.build import build_trainer, load_models
     from lmppo.config import load_config
     from lmppo.distributed import seed_everything
-    from lmppo.models import cache_gguf_as_transformers
+    from lmppo.loading import cache_gguf_as_transformers
     from lmppo.plan import memory_plan
     from lmppo.resolve import resolve
     from lmppo.rollout import Rollout

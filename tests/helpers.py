@@ -21,7 +21,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from lmppo.build import build_trainer
 from lmppo.config import load_config
 from lmppo.distributed import seed_everything
-from lmppo.models import PPOModels, ValueModel, make_reference
+from lmppo.lora import make_reference
+from lmppo.models import PPOModels, ValueModel
 from lmppo.resolve import resolve
 from lmppo.scoring import load_reward_function
 from lmppo.trainer import PPOTrainer
@@ -240,3 +241,15 @@ def good_judge(prompt, response: str) -> float:
 
 
 GOOD_JUDGE = f"{Path(__file__).resolve()}:good_judge"
+
+
+# --------------------------------------------------------------------------------------------------
+# A fixed batch of token ids and the logits a model gives it
+# --------------------------------------------------------------------------------------------------
+
+INPUT_IDS = torch.tensor([[1, 3, 7, 9, 12, 4, 20], [1, 3, 8, 8, 30, 4, 22]])
+
+
+def logits(model, input_ids=INPUT_IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits

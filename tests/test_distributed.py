@@ -20,8 +20,9 @@ from transformers import AutoModelForCausalLM
 from lmppo.checkpoint import latest_checkpoint, load_checkpoint
 from lmppo.config import LoraConfig
 from lmppo.distributed import full_tensor, join_shards, seed_everything, trained_state_bytes
+from lmppo.lora import make_reference, with_lora
 from lmppo.metrics import read_metrics, reduce_metrics
-from lmppo.models import ValueModel, make_reference, with_lora
+from lmppo.models import ValueModel
 from lmppo.rollout import HFGenerator
 
 BATCH = 8

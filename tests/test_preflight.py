@@ -9,7 +9,7 @@ from helpers import BASE, boost_token, run_cli, toy_models, write_config
 
 from lmppo.config import ModelSource, load_config
 from lmppo.diagnose import reward_bias
-from lmppo.models import load_tokenizer
+from lmppo.loading import load_tokenizer
 from lmppo.preflight import average_ranks, correlation, run_preflight, spearman, summarise
 
 PROMPTS = ["tell me about the cat", "write a short poem", "tell me a story", "the day was very happy"]

@@ -11,7 +11,7 @@ from transformers import LlamaForSequenceClassification
 from lmppo.build import load_models
 from lmppo.config import load_config
 from lmppo.errors import LmppoError
-from lmppo.models import LoraReference
+from lmppo.lora import LoraReference
 from lmppo.plan import memory_plan
 from lmppo.resolve import resolve, resolve_device
 

@@ -14,7 +14,8 @@ from safetensors import safe_open
 from lmppo import reward_modeling
 from lmppo.config import SupervisedConfig
 from lmppo.errors import LmppoError
-from lmppo.models import load_reward_model, with_lora
+from lmppo.loading import load_reward_model
+from lmppo.lora import with_lora
 from lmppo.reward_modeling import (
     bradley_terry_loss,
     evaluate_reward_model,

@@ -12,7 +12,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from lmppo.core import last_response_index, shaped_rewards, token_logprobs
 from lmppo.errors import LmppoError, LmppoWarning
-from lmppo.models import ValueModel, apply_lora, trainable_parameters
+from lmppo.lora import apply_lora
+from lmppo.models import ValueModel, trainable_parameters
 from lmppo.rollout import (
     HFGenerator,
     Rollout,

@@ -11,7 +11,7 @@ import torch
 from lmppo.config import SupervisedConfig
 from lmppo.core import token_logprobs
 from lmppo.errors import LmppoError
-from lmppo.models import load_causal_lm
+from lmppo.loading import load_causal_lm
 from lmppo.rollout import HFGenerator
 from lmppo.sft import IGNORE, response_nll, run_sft, sft_batch, sft_features, train_sft
 from lmppo.toy.models import build_policy

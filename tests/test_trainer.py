@@ -8,8 +8,8 @@ import torch
 from helpers import toy_models, toy_trainer
 
 from lmppo.errors import LmppoError
+from lmppo.lora import make_reference
 from lmppo.metrics import METRIC_NAMES
-from lmppo.models import make_reference
 from lmppo.sft import sft_batch
 
 
@@ -198,7 +198,8 @@ def test_gradient_checkpointing_recomputes_each_layer_and_gives_the_same_gradien
     from transformers.models.llama import modeling_llama
 
     from lmppo.config import LoraConfig
-    from lmppo.models import enable_gradient_checkpointing, with_lora
+    from lmppo.lora import with_lora
+    from lmppo.models import enable_gradient_checkpointing
 
     def models(checkpointed: bool):
         built = toy_models()

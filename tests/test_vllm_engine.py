@@ -17,8 +17,9 @@ from helpers import COUNT_GOOD, POLICY_SPECIALS, POLICY_TEMPLATE, WORDS, build_t
 from transformers import LlamaForCausalLM
 
 from lmppo.core import token_logprobs
+from lmppo.loading import load_causal_lm, load_tokenizer
+from lmppo.lora import apply_lora
 from lmppo.metrics import read_metrics
-from lmppo.models import apply_lora, load_causal_lm, load_tokenizer
 from lmppo.rollout import HFGenerator, response_logits
 from lmppo.vllm_engine import policy_weights
 
@@ -122,7 +123,8 @@ def test_engine_rollout_masks_termination_and_logprobs_match_the_trainer(engine)
 def test_a_ppo_step_syncs_the_engine_to_the_new_weights(engine):
     from helpers import toy_trainer
 
-    from lmppo.models import PPOModels, ValueModel, make_reference
+    from lmppo.lora import make_reference
+    from lmppo.models import PPOModels, ValueModel
     from lmppo.scoring import load_reward_function
 
     policy, tokenizer, generator = engine

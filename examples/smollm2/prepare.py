@@ -84,7 +84,7 @@ def write_prompts(judge) -> dict[str, list[dict]]:
 
 
 def load_model():
-    from lmppo.models import cache_gguf_as_transformers, load_causal_lm, load_tokenizer
+    from lmppo.loading import cache_gguf_as_transformers, load_causal_lm, load_tokenizer
 
     start = time.perf_counter()
     directory = cache_gguf_as_transformers(smollm2_gguf(), CACHE_DIR)

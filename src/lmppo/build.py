@@ -17,21 +17,15 @@ from lmppo.config import Config, KLConfig, PPOConfig, RewardComponent, RewardCon
 from lmppo.data import Prompt, PromptStream
 from lmppo.distributed import CommCounter, data_parallel, shard_models
 from lmppo.errors import LmppoError
+from lmppo.loading import DTYPES, freeze, load_causal_lm, load_reward_model, load_tokenizer, resolve_source
+from lmppo.lora import make_reference, with_lora
 from lmppo.models import (
-    DTYPES,
     PPOModels,
     ValueModel,
     enable_gradient_checkpointing,
-    freeze,
-    load_causal_lm,
-    load_reward_model,
-    load_tokenizer,
-    make_reference,
     make_value_model,
     model_identity,
-    resolve_source,
     trainable_parameters,
-    with_lora,
 )
 from lmppo.resolve import RoleSpec, RunSpec
 from lmppo.rollout import Generator, HFGenerator, PolicyAndValue

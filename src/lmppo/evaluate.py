@@ -35,12 +35,8 @@ from lmppo.core import kl_estimate
 from lmppo.data import Prompt, load_demonstrations, load_prompts
 from lmppo.distributed import all_sum, gather_objects
 from lmppo.errors import LmppoError, user_code_error
-from lmppo.models import (
-    autocast,
-    eval_mode,
-    load_causal_lm,
-    load_tokenizer,
-)
+from lmppo.loading import load_causal_lm, load_tokenizer
+from lmppo.models import autocast, eval_mode
 from lmppo.resolve import frozen_policy_source, resolve
 from lmppo.rollout import HFGenerator, Rollout, sequence_logprobs
 from lmppo.scoring import RewardFunction, load_function

@@ -1,13 +1,10 @@
-"""The four models of PPO-RLHF: loading, freezing, LoRA, the value model and identity records.
+"""The models of a run once loaded: the value model (a head on a backbone: the policy's trunk, or a
+separate network), the record of the four models, their identity records, and what is done to any of them
+(evaluation mode, activation checkpointing, bf16 autocast, the trainable parameters, the heap's tuning).
 
-- Policy and reference are causal LMs; the reward model is a sequence scorer
-  (``AutoModelForSequenceClassification``, one label); the value model is a backbone with a scalar head.
-- Everything loads from local files only: a transformers directory (safetensors), a GGUF file, or a hub id
-  that is already in the local Hugging Face cache. Nothing is ever downloaded.
-- With LoRA the reference is the policy with its adapter disabled (:class:`LoraReference`): no second copy
-  of the weights.
-- Frozen models are in ``eval()`` with no grads; trained models are put in ``eval()`` by :func:`eval_mode`
-  for the passes whose results are stored (dropout there makes ``logp_old`` irreproducible).
+Loading is :mod:`lmppo.loading`; LoRA and the reference view are :mod:`lmppo.lora`. Trained models are
+put in ``eval()`` by :func:`eval_mode` for the passes whose results are stored (dropout there makes
+``logp_old`` irreproducible).
 """
 
 from __future__ import annotations
@@ -18,262 +15,26 @@ import ctypes
 import ctypes.util
 import hashlib
 import json
-import os
 import platform
-import shutil
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from peft.tuners import lora
-from peft.tuners.tuners_utils import BaseTunerLayer
+from peft import PeftModel
 from peft.utils import ModulesToSaveWrapper
-from safetensors import SafetensorError
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from lmppo.config import ModelSource
 from lmppo.errors import LmppoError
+from lmppo.loading import WEIGHT_SUFFIXES, ResolvedSource, file_sha256, weight_files
+from lmppo.lora import LoraReference, unwrap_model, with_lora, without_adapters
 from lmppo.resolve import RoleSpec
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-
 # --------------------------------------------------------------------------------------------------
-# Locating model files (never downloading)
+# What is done to any model
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ResolvedSource:
-    """Where a model's files are on disk: a local directory, plus the GGUF file name inside it if any."""
-
-    directory: Path
-    gguf_file: str | None = None
-
-    def __str__(self) -> str:
-        return str(self.directory / self.gguf_file) if self.gguf_file else str(self.directory)
-
-
-def as_model_source(model: ModelSource | str | os.PathLike) -> ModelSource:
-    """A config model section as given, or a bare path as one with every default (fp32, no GGUF)."""
-    return model if isinstance(model, ModelSource) else ModelSource(path=str(model))
-
-
-def resolve_source(model: ModelSource | str | os.PathLike) -> ResolvedSource:
-    """Find a model section's (or a bare path's) files: a directory, a ``.gguf`` file, or a hub id already
-    in the local HF cache. Raises :class:`LmppoError` when nothing is on disk: lmppo never downloads.
-    """
-    spec = as_model_source(model)
-    local, gguf_file = Path(spec.path).expanduser(), spec.gguf_file
-    if local.is_file() and local.suffix == ".gguf" and gguf_file is None:
-        return ResolvedSource(local.parent, local.name)
-    if local.is_file():
-        raise LmppoError(
-            f"model path {spec.path!r} is a file, not a model: point it at a transformers model directory "
-            "(config.json and safetensors weights) or a .gguf file"
-        )
-    if local.is_dir():
-        if gguf_file is not None and not (local / gguf_file).is_file():
-            raise LmppoError(
-                f"GGUF file {gguf_file!r} not found in {local}; check `gguf_file` in the config."
-            )
-        return ResolvedSource(local, gguf_file)
-    cached = _local_hub_snapshot(spec.path)
-    if cached is None:
-        raise LmppoError(
-            f"model path {spec.path!r} does not exist and is not in the local Hugging Face cache. "
-            "lmppo never downloads models: fetch it first (e.g. `hf download ORG/NAME --local-dir DIR`) "
-            "and point the config at that directory."
-        )
-    return resolve_source(ModelSource(path=str(cached), gguf_file=gguf_file))
-
-
-def _local_hub_snapshot(repo_id: str) -> Path | None:
-    """The cached snapshot directory of ``repo_id`` if the HF cache already holds it, else None."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError, OSError):
-        return None
-
-
-def _from_pretrained_kwargs(spec: ModelSource, source: ResolvedSource, *, weights: bool = True) -> dict:
-    """``from_pretrained`` keywords: local files only, the GGUF file, and (for weights) the dtype."""
-    kwargs = {"local_files_only": True, "trust_remote_code": spec.trust_remote_code}
-    if weights:
-        kwargs["dtype"] = DTYPES[spec.dtype or "float32"]  # the config section has validated the name
-    if source.gguf_file:
-        kwargs["gguf_file"] = source.gguf_file
-    return kwargs
-
-
-def _load_error(what: str, source: ResolvedSource, err: Exception) -> LmppoError:
-    if "trust_remote_code" in str(err):
-        return LmppoError(
-            f"{what} at {source} needs custom code from its repository; set `trust_remote_code: true` "
-            f"in the model config only if you trust that code. (transformers: {err})"
-        )
-    return LmppoError(f"cannot load {what} from {source}: {err}")
-
-
-def load_tokenizer(model: ModelSource | str | os.PathLike) -> PreTrainedTokenizerBase:
-    """The tokenizer (with its chat template) of a model section (or a bare path): directory or GGUF."""
-    spec = as_model_source(model)
-    source = resolve_source(spec)
-    try:
-        return AutoTokenizer.from_pretrained(
-            source.directory, **_from_pretrained_kwargs(spec, source, weights=False)
-        )
-    except (OSError, ValueError, KeyError) as err:
-        if source.gguf_file:
-            raise LmppoError(
-                f"GGUF file {source} has no usable tokenizer ({err}); use a GGUF file that embeds its "
-                "tokenizer, or convert the model to a transformers directory that has one."
-            ) from err
-        raise _load_error("the tokenizer", source, err) from err
-
-
-def load_model_config(model: ModelSource | str | os.PathLike):
-    """A model's architecture config alone (no weights read): what :mod:`lmppo.plan` sizes."""
-    spec, source = as_model_source(model), resolve_source(model)
-    try:
-        return AutoConfig.from_pretrained(
-            source.directory, **_from_pretrained_kwargs(spec, source, weights=False)
-        )
-    except (OSError, ValueError) as err:
-        raise _load_error("the model config", source, err) from None
-
-
-def _weights_source(model: ModelSource | str | os.PathLike) -> tuple[ModelSource, ResolvedSource]:
-    """The section and its files, refusing a directory whose weights only pickle could load."""
-    spec = as_model_source(model)
-    source = resolve_source(spec)
-    if not source.gguf_file:
-        names = {p.name for p in source.directory.iterdir() if p.suffix in WEIGHT_SUFFIXES}
-        if names and not any(name.endswith(".safetensors") for name in names):
-            raise LmppoError(
-                f"{source} holds only pickled weights ({', '.join(sorted(names))}): lmppo loads safetensors only, "
-                "since unpickling runs code from the file. Convert it once, where you trust the file: "
-                "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR)` (safetensors by default)."
-            )
-    return spec, source
-
-
-def load_causal_lm(model: ModelSource | str | os.PathLike) -> PreTrainedModel:
-    """A causal LM (policy or reference) from a model section (or a bare path), in its ``dtype``."""
-    spec, source = _weights_source(model)
-    try:
-        return AutoModelForCausalLM.from_pretrained(source.directory, **_from_pretrained_kwargs(spec, source))
-    except (OSError, ValueError, SafetensorError) as err:
-        raise _load_error("a causal LM", source, err) from err
-
-
-def load_reward_model(model: ModelSource | str | os.PathLike, *, new_head: bool = False, pad_token_id=None):
-    """A one-label sequence scorer from a model section (or a bare path), in its ``dtype``.
-
-    By default it is a frozen reward model, and a checkpoint without a trained score head (e.g. a plain
-    causal LM) is refused: transformers would silently give it a randomly initialised head. With
-    ``new_head=True`` (reward-model training) a causal LM gets a fresh head and everything stays trainable;
-    ``pad_token_id`` goes into its config.
-    """
-    spec, source = _weights_source(model)
-    _check_one_label(source)
-    extra = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
-    try:
-        scorer, info = AutoModelForSequenceClassification.from_pretrained(
-            source.directory,
-            num_labels=1,
-            output_loading_info=True,
-            **extra,
-            **_from_pretrained_kwargs(spec, source),
-        )
-    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
-        raise _load_error("a reward model", source, err) from err
-    if new_head:
-        return scorer
-    untrained_head = [key for key in info["missing_keys"] if key.split(".")[0] == "score"]
-    if untrained_head:
-        raise LmppoError(
-            f"{source} has no trained score head ({', '.join(untrained_head)} missing): it is not a reward "
-            "model. Train one with `lmppo train-rm`, or point `reward.model.path` at a reward-model checkpoint."
-        )
-    return freeze(scorer)
-
-
-def _check_one_label(source: ResolvedSource) -> None:
-    """A sequence classifier with several outputs is not a reward model (transformers would resize its head)."""
-    config_file = source.directory / "config.json"
-    if source.gguf_file or not config_file.is_file():
-        return
-    config = json.loads(config_file.read_text())
-    classifier = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
-    labels = len(config["id2label"]) if "id2label" in config else 2  # transformers omits its default, 2
-    if classifier and labels != 1:
-        raise LmppoError(
-            f"{source} is a sequence classifier with {labels} outputs; a reward model needs one scalar "
-            "(num_labels=1). Train one with `lmppo train-rm`, or use a reward model with a single output."
-        )
-
-
-def cache_gguf_as_transformers(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Convert a GGUF model once into a plain transformers directory (fp32 safetensors + tokenizer).
-
-    Loading a GGUF file dequantises every tensor and converts the tokenizer (tens of seconds); the
-    directory loads in about a second. ``save_pretrained`` refuses GGUF-loaded models, so the weights are
-    moved into a fresh model built from the config without its ``quantization_config``. The directory
-    records the GGUF file's sha256 and is rebuilt when the file changes. Returns ``out_dir``.
-    """
-    source = resolve_source(gguf_path)
-    if source.gguf_file is None:
-        raise LmppoError(f"{gguf_path} is not a .gguf file.")
-    out_dir = Path(out_dir)
-    gguf_sha256 = _file_sha256(source.directory / source.gguf_file)
-    marker = out_dir / "lmppo_gguf_source.json"
-    if marker.is_file() and json.loads(marker.read_text()).get("gguf_sha256") == gguf_sha256:
-        return out_dir
-    spec = ModelSource(path=str(source.directory), gguf_file=source.gguf_file)
-    tokenizer = load_tokenizer(spec)
-    gguf_model = load_causal_lm(spec)
-    config = gguf_model.config
-    del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = gguf_model.generation_config
-    staging = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    (staging / marker.name).write_text(json.dumps({"gguf_file": str(source), "gguf_sha256": gguf_sha256}))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(staging, out_dir)  # readers see either no directory or a complete one
-    return out_dir
-
-
-# --------------------------------------------------------------------------------------------------
-# Modes: frozen, eval for stored passes
-# --------------------------------------------------------------------------------------------------
-
-
-def freeze(model: nn.Module) -> nn.Module:
-    """Make ``model`` frozen: ``eval()`` (no dropout) and no parameter gradients. Returns it."""
-    model.requires_grad_(False)
-    return model.eval()
 
 
 @contextlib.contextmanager
@@ -287,11 +48,6 @@ def eval_mode(*models) -> Iterator[None]:
     finally:
         for model, training in zip(models, was_training):
             model.train(training)
-
-
-def unwrap_model(model):
-    """The underlying transformers model of a peft model or :class:`LoraReference`; else ``model``."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
@@ -362,25 +118,8 @@ def trainable_parameters(*models: nn.Module) -> list[nn.Parameter]:
     return params
 
 
-@dataclass
-class PPOModels:
-    """The four models of a run (the reward is learned RMs and programs combined, or one function)."""
-
-    policy: nn.Module
-    reference: nn.Module
-    value: nn.Module
-    tokenizer: object
-    reward: Callable  # a lmppo.scoring.CombinedReward when built from the config
-    identities: dict[str, dict] = field(default_factory=dict)
-
-    @property
-    def reward_models(self) -> list[nn.Module]:
-        """The frozen networks behind the reward (none for programmatic rewards)."""
-        return getattr(self.reward, "models", [])
-
-
 # --------------------------------------------------------------------------------------------------
-# Value model
+# The value model and the four models of a run
 # --------------------------------------------------------------------------------------------------
 
 
@@ -416,7 +155,7 @@ class ValueModel(nn.Module):
     def from_reward_model(cls, reward_model: PreTrainedModel, *, copy_weights: bool = True) -> ValueModel:
         """Backbone and score head of a reward model: a trainable copy, or (``copy_weights=False``) a view.
 
-        A LoRA reward model (see :func:`apply_lora`) is viewed through its adapters and trained head copy.
+        A LoRA reward model (see :func:`lmppo.lora.apply_lora`) is viewed through its adapters and trained head copy.
         """
         reward_model = unwrap_model(reward_model)
         backbone, head = reward_model.base_model, _score_head(reward_model)
@@ -432,9 +171,17 @@ class ValueModel(nn.Module):
 
         With a LoRA policy the copy drops the adapter layers peft injected (it starts from the base).
         """
-        backbone = _without_adapters(copy.deepcopy(unwrap_model(causal_lm).get_decoder()))
+        backbone = without_adapters(copy.deepcopy(unwrap_model(causal_lm).get_decoder()))
         backbone.requires_grad_(True)
         return cls(backbone, _zero_head(backbone, causal_lm.config.hidden_size))
+
+    def with_lora(self, lora) -> ValueModel:
+        """LoRA adapters (a :class:`lmppo.config.LoraConfig`) on a separate critic's backbone; the head
+        stays trained in full. A critic on the policy's trunk gets LoRA through the policy."""
+        if self.shared_trunk:
+            raise LmppoError("a shared-trunk value model gets LoRA through the policy; apply LoRA there.")
+        self.backbone = with_lora(self.backbone, lora, task_type="FEATURE_EXTRACTION")
+        return self
 
     @classmethod
     def shared_trunk(cls, policy: nn.Module) -> ValueModel:
@@ -458,17 +205,7 @@ def make_value_model(role: RoleSpec, policy: nn.Module, reward_model: nn.Module 
     else:
         value = ValueModel.from_causal_lm(policy)
     (value.head if role.lora is not None else value).float()
-    return with_lora(value, role.lora)
-
-
-def _without_adapters(module: nn.Module) -> nn.Module:
-    """Replace every peft-injected layer in ``module`` by the base layer it wraps (in place)."""
-    for name, child in module.named_children():
-        if isinstance(child, BaseTunerLayer):
-            setattr(module, name, child.get_base_layer())
-        else:
-            _without_adapters(child)
-    return module
+    return value.with_lora(role.lora)
 
 
 def _score_head(reward_model: PreTrainedModel) -> nn.Module:
@@ -490,154 +227,21 @@ def _zero_head(backbone: nn.Module, hidden_size: int) -> nn.Linear:
     return head
 
 
-# --------------------------------------------------------------------------------------------------
-# LoRA and the reference
-# --------------------------------------------------------------------------------------------------
+@dataclass
+class PPOModels:
+    """The four models of a run (the reward is learned RMs and programs combined, or one function)."""
 
-
-def apply_lora(
-    model: nn.Module,
-    *,
-    r: int,
-    alpha: float,
-    dropout: float = 0.0,
-    target_modules: str | list[str] = "all-linear",
-) -> nn.Module:
-    """Wrap a causal LM or a sequence classifier (returns a ``PeftModel``), or a separate
-    :class:`ValueModel`'s backbone, with LoRA.
-
-    Only the adapter stays trainable, plus a value model's head, or a sequence classifier's ``score`` head
-    in full (peft's ``SEQ_CLS`` task keeps a trained copy of it, ``modules_to_save``: a new head is not
-    low-rank). ``target_modules="all-linear"`` targets every linear layer except the output/score layer.
-    ``merge_and_unload()`` turns the result back into a plain transformers model with the trained weights.
-    """
-    config = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": target_modules}
-    if isinstance(model, ValueModel):
-        if model.shared_trunk:
-            raise LmppoError("a shared-trunk value model gets LoRA through the policy; apply LoRA there.")
-        model.backbone = get_peft_model(model.backbone, LoraConfig(task_type="FEATURE_EXTRACTION", **config))
-        return model
-    task_type = "SEQ_CLS" if type(model).__name__.endswith("ForSequenceClassification") else "CAUSAL_LM"
-    return get_peft_model(model, LoraConfig(task_type=task_type, **config))
-
-
-def with_lora(model: nn.Module, lora) -> nn.Module:
-    """``model`` with LoRA adapters as configured (a :class:`lmppo.config.LoraConfig`) when given and
-    enabled, else ``model`` itself (all weights trained)."""
-    if lora is None or not lora.enabled:
-        return model
-    return apply_lora(
-        model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules
-    )
-
-
-class LoraReference:
-    """The frozen reference of a LoRA policy: the same base weights, run with the adapter disabled.
-
-    Deliberately not an ``nn.Module``: the policy is not registered a second time (no duplicate
-    parameters in ``parameters()``, ``state_dict()`` or DDP). Train/eval flags are the policy's.
-    """
-
-    def __init__(self, policy: PeftModel) -> None:
-        if not isinstance(policy, PeftModel):
-            raise TypeError("LoraReference needs a peft-wrapped policy; see apply_lora")
-        self.policy = policy
-
-    def __call__(self, **kwargs):
-        with self.policy.disable_adapter():
-            return self.policy(**kwargs)
+    policy: nn.Module
+    reference: nn.Module
+    value: nn.Module
+    tokenizer: object
+    reward: Callable  # a lmppo.scoring.CombinedReward when built from the config
+    identities: dict[str, dict] = field(default_factory=dict)
 
     @property
-    def training(self) -> bool:
-        return self.policy.training
-
-    def modules(self):
-        """The policy's modules: what a pass of the reference runs (and FSDP2 gathers for it)."""
-        return self.policy.modules()
-
-    def train(self, mode: bool = True) -> LoraReference:
-        self.policy.train(mode)
-        return self
-
-    def eval(self) -> LoraReference:
-        return self.train(False)
-
-    @property
-    def config(self):
-        return self.policy.config
-
-    def get_base_model(self) -> PreTrainedModel:
-        return self.policy.get_base_model()
-
-
-def make_reference(policy: nn.Module) -> nn.Module | LoraReference:
-    """The reference for ``policy`` (call before training): adapter-disabled view with LoRA, else a frozen copy."""
-    if isinstance(policy, PeftModel):
-        return LoraReference(policy)
-    return freeze(copy.deepcopy(policy))
-
-
-def mergeable_lora_layers(model: nn.Module) -> list[lora.Linear]:
-    """The LoRA linears of ``model`` that :func:`lora_merged` can fold, or ``[]`` when it must not fold any.
-
-    Folding needs fp32 base weights and no autocast: ``W + s B A`` rounded to 16 bits loses an update
-    that is small against ``W`` (all of it at the start of training), so a 16-bit merged copy would sample
-    from another policy than the one the update differentiates. FSDP2 owns its modules' parameters, and
-    DoRA's merged weight is not ``W + s B A``: neither is folded.
-    """
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    device_type = next(model.parameters()).device.type
-    if (
-        not layers
-        or torch.is_autocast_enabled(device_type)
-        or any(isinstance(m, FSDPModule) for m in model.modules())
-    ):
-        return []
-    for layer in layers:
-        if (
-            not isinstance(layer, lora.Linear)
-            or layer.merged
-            or layer.disable_adapters
-            or layer.get_base_layer().weight.dtype != torch.float32
-            or any(layer.use_dora.get(name) for name in layer.active_adapters)
-        ):
-            return []
-    return layers
-
-
-@contextlib.contextmanager
-def lora_merged(model: nn.Module) -> Iterator[None]:
-    """Run ``model`` with every LoRA adapter folded into a temporary copy of its base weight (no grad).
-
-    At decode's few rows per step a LoRA linear is three small matmuls whose cost is dispatch, not
-    FLOPs: folded, each is one (SmolLM2-135M, batch 16: ~15 % of a decode step). The base weights are
-    never written: peft's ``merge_adapter`` adds and later subtracts ``s B A`` in place, and that
-    rounding would drift the frozen weights the reference (adapter disabled) runs on. The copy costs the
-    adapted weights once more while it lives. Outputs equal the unfolded ones up to float rounding.
-    A model :func:`mergeable_lora_layers` turns down runs as it is.
-    """
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "lora_merged is for inference: the folded weights carry no gradient to the adapters"
-        )
-    layers = mergeable_lora_layers(model)
-    adapter_grads = [(p, p.requires_grad) for layer in layers for p in layer.parameters()]
-    originals = []
-    try:
-        for layer in layers:
-            base = layer.get_base_layer()
-            delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters)
-            originals.append((base, base.weight))
-            base.weight = nn.Parameter(base.weight + delta, requires_grad=False)
-            layer.enable_adapters(False)
-        yield
-    finally:
-        for base, weight in originals:
-            base.weight = weight
-        for layer in layers:
-            layer.enable_adapters(True)
-        for param, requires_grad in adapter_grads:  # enable_adapters sets the flags its own way
-            param.requires_grad_(requires_grad)
+    def reward_models(self) -> list[nn.Module]:
+        """The frozen networks behind the reward (none for programmatic rewards)."""
+        return getattr(self.reward, "models", [])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -709,19 +313,12 @@ def _lora_record(model) -> dict | None:
     }
 
 
-def weight_files(source: ResolvedSource) -> list[Path]:
-    """A model's weight files: its GGUF file, or the directory's weight files sorted by name."""
-    if source.gguf_file:
-        return [source.directory / source.gguf_file]
-    return sorted(p for p in source.directory.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
-
-
 def weights_sha256(source: ResolvedSource) -> str:
     """sha256 over a model's weight files (name and content hash of each, sorted by name)."""
     files = weight_files(source)
     if not files:
         raise LmppoError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {source}.")
-    return _text_sha256("".join(f"{p.name}:{_file_sha256(p)}\n" for p in files))
+    return _text_sha256("".join(f"{p.name}:{file_sha256(p)}\n" for p in files))
 
 
 def tokenizer_sha256(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -735,11 +332,3 @@ def tokenizer_sha256(tokenizer: PreTrainedTokenizerBase) -> str:
 
 def _text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -24,15 +24,9 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from lmppo.config import Config, ModelSource, load_config
 from lmppo.data import load_prompts, render_query_ids
 from lmppo.errors import LmppoError
-from lmppo.models import (
-    DTYPES,
-    load_model_config,
-    load_tokenizer,
-    make_value_model,
-    resolve_source,
-    weight_files,
-    with_lora,
-)
+from lmppo.loading import DTYPES, load_model_config, load_tokenizer, resolve_source, weight_files
+from lmppo.lora import with_lora
+from lmppo.models import make_value_model
 from lmppo.resolve import RoleSpec, RunSpec, resolve
 
 GIB = 2**30

@@ -32,7 +32,8 @@ from lmppo.build import generator_options, load_policy, load_reward
 from lmppo.data import Prompt, load_prompts, prompt_slices
 from lmppo.diagnose import Finding, reward_bias
 from lmppo.evaluate import evaluate_policy
-from lmppo.models import autocast, load_tokenizer
+from lmppo.loading import load_tokenizer
+from lmppo.models import autocast
 from lmppo.resolve import resolve
 
 PREFLIGHT_FILE = "preflight.json"

@@ -23,7 +23,8 @@ from lmppo.config import QuickstartConfig, TrainingStage, apply_override, valida
 from lmppo.data import read_jsonl
 from lmppo.errors import GuardAbort, LmppoError
 from lmppo.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table, write_eval_json
-from lmppo.models import PPOModels, load_causal_lm, load_tokenizer
+from lmppo.loading import load_causal_lm, load_tokenizer
+from lmppo.models import PPOModels
 from lmppo.report import report
 from lmppo.resolve import resolve
 from lmppo.reward_modeling import evaluate_reward_model, train_reward_model, write_rm_eval_json

@@ -256,5 +256,5 @@ def check_engine(cfg: Config, world_size: int) -> None:
     if cfg.models.policy.gguf_file or not Path(cfg.models.policy.path).is_dir():
         raise LmppoError(
             "rollout.engine=vllm loads models.policy.path as a transformers directory; convert a "
-            "GGUF file first (lmppo.models.cache_gguf_as_transformers)"
+            "GGUF file first (lmppo.loading.cache_gguf_as_transformers)"
         )

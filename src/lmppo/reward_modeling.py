@@ -19,7 +19,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmppo.data import located_jsonl, prompt_of_row
 from lmppo.errors import LmppoError, warn
-from lmppo.models import ValueModel, load_reward_model, load_tokenizer, with_lora
+from lmppo.loading import load_reward_model, load_tokenizer
+from lmppo.lora import with_lora
+from lmppo.models import ValueModel
 from lmppo.scoring import RewardModelScorer
 from lmppo.supervised import fit, merged, pad, trained_parameter_count
 

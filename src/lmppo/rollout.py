@@ -33,7 +33,8 @@ from lmppo.core import last_response_index, token_logprobs
 from lmppo.data import Prompt, render_query_ids
 from lmppo.distributed import gather_objects
 from lmppo.errors import LmppoError, warn
-from lmppo.models import ValueModel, checkpointed_layers, checkpointing, eval_mode, lora_merged, unwrap_model
+from lmppo.lora import lora_merged, unwrap_model
+from lmppo.models import ValueModel, checkpointed_layers, checkpointing, eval_mode
 
 # --------------------------------------------------------------------------------------------------
 # The rollout batch
@@ -533,7 +534,7 @@ class HFGenerator:
     plus ``max_new_tokens`` (a ``DynamicCache`` concatenates every layer's keys and values at every
     step, a cost quadratic in the response length), there is no per-step machinery beyond the forward
     and the draw, and ``logp_old`` comes from the logits the token is drawn from. LoRA adapters are folded
-    into a temporary copy of their base weights for the loop (:func:`~lmppo.models.lora_merged`). The draw is
+    into a temporary copy of their base weights for the loop (:func:`~lmppo.lora.lora_merged`). The draw is
     transformers' own (tempered scores, top-k, top-p, ``torch.multinomial``), so a seed gives the same
     tokens as ``model.generate`` would.
 

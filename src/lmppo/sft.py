@@ -14,7 +14,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmppo.data import load_demonstrations, render_query_ids
 from lmppo.errors import LmppoError
-from lmppo.models import load_causal_lm, load_tokenizer, with_lora
+from lmppo.loading import load_causal_lm, load_tokenizer
+from lmppo.lora import with_lora
 from lmppo.supervised import fit, merged, pad, trained_parameter_count
 
 IGNORE = -100  # label of positions that carry no loss

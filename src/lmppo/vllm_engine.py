@@ -30,7 +30,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from lmppo.errors import LmppoError
-from lmppo.models import unwrap_model
+from lmppo.lora import unwrap_model
 from lmppo.rollout import HFGenerator
 
 INSTALL_HINT = (

@@ -1,0 +1,276 @@
+"""Loading models from local files: a transformers directory (safetensors), a GGUF file, or a hub id that
+is already in the local Hugging Face cache. Nothing is ever downloaded, nothing is unpickled. The dtype
+a model loads in is its config section's (decided by :mod:`lmppo.resolve`, never here).
+
+The policy and the reference are causal LMs; a reward model is a sequence scorer
+(``AutoModelForSequenceClassification``, one label). Frozen models are in ``eval()`` with no gradients.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from lmppo.config import ModelSource
+from lmppo.errors import LmppoError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+# --------------------------------------------------------------------------------------------------
+# Locating model files (never downloading)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    """Where a model's files are on disk: a local directory, plus the GGUF file name inside it if any."""
+
+    directory: Path
+    gguf_file: str | None = None
+
+    def __str__(self) -> str:
+        return str(self.directory / self.gguf_file) if self.gguf_file else str(self.directory)
+
+
+def as_model_source(model: ModelSource | str | os.PathLike) -> ModelSource:
+    """A config model section as given, or a bare path as one with every default (fp32, no GGUF)."""
+    return model if isinstance(model, ModelSource) else ModelSource(path=str(model))
+
+
+def resolve_source(model: ModelSource | str | os.PathLike) -> ResolvedSource:
+    """Find a model section's (or a bare path's) files: a directory, a ``.gguf`` file, or a hub id already
+    in the local HF cache. Raises :class:`LmppoError` when nothing is on disk: lmppo never downloads.
+    """
+    spec = as_model_source(model)
+    local, gguf_file = Path(spec.path).expanduser(), spec.gguf_file
+    if local.is_file() and local.suffix == ".gguf" and gguf_file is None:
+        return ResolvedSource(local.parent, local.name)
+    if local.is_file():
+        raise LmppoError(
+            f"model path {spec.path!r} is a file, not a model: point it at a transformers model directory "
+            "(config.json and safetensors weights) or a .gguf file"
+        )
+    if local.is_dir():
+        if gguf_file is not None and not (local / gguf_file).is_file():
+            raise LmppoError(
+                f"GGUF file {gguf_file!r} not found in {local}; check `gguf_file` in the config."
+            )
+        return ResolvedSource(local, gguf_file)
+    cached = _local_hub_snapshot(spec.path)
+    if cached is None:
+        raise LmppoError(
+            f"model path {spec.path!r} does not exist and is not in the local Hugging Face cache. "
+            "lmppo never downloads models: fetch it first (e.g. `hf download ORG/NAME --local-dir DIR`) "
+            "and point the config at that directory."
+        )
+    return resolve_source(ModelSource(path=str(cached), gguf_file=gguf_file))
+
+
+def _local_hub_snapshot(repo_id: str) -> Path | None:
+    """The cached snapshot directory of ``repo_id`` if the HF cache already holds it, else None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return None
+
+
+def _from_pretrained_kwargs(spec: ModelSource, source: ResolvedSource, *, weights: bool = True) -> dict:
+    """``from_pretrained`` keywords: local files only, the GGUF file, and (for weights) the dtype."""
+    kwargs = {"local_files_only": True, "trust_remote_code": spec.trust_remote_code}
+    if weights:
+        kwargs["dtype"] = DTYPES[spec.dtype or "float32"]  # the config section has validated the name
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    return kwargs
+
+
+def _load_error(what: str, source: ResolvedSource, err: Exception) -> LmppoError:
+    if "trust_remote_code" in str(err):
+        return LmppoError(
+            f"{what} at {source} needs custom code from its repository; set `trust_remote_code: true` "
+            f"in the model config only if you trust that code. (transformers: {err})"
+        )
+    return LmppoError(f"cannot load {what} from {source}: {err}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(model: ModelSource | str | os.PathLike) -> PreTrainedTokenizerBase:
+    """The tokenizer (with its chat template) of a model section (or a bare path): directory or GGUF."""
+    spec = as_model_source(model)
+    source = resolve_source(spec)
+    try:
+        return AutoTokenizer.from_pretrained(
+            source.directory, **_from_pretrained_kwargs(spec, source, weights=False)
+        )
+    except (OSError, ValueError, KeyError) as err:
+        if source.gguf_file:
+            raise LmppoError(
+                f"GGUF file {source} has no usable tokenizer ({err}); use a GGUF file that embeds its "
+                "tokenizer, or convert the model to a transformers directory that has one."
+            ) from err
+        raise _load_error("the tokenizer", source, err) from err
+
+
+def load_model_config(model: ModelSource | str | os.PathLike):
+    """A model's architecture config alone (no weights read): what :mod:`lmppo.plan` sizes."""
+    spec, source = as_model_source(model), resolve_source(model)
+    try:
+        return AutoConfig.from_pretrained(
+            source.directory, **_from_pretrained_kwargs(spec, source, weights=False)
+        )
+    except (OSError, ValueError) as err:
+        raise _load_error("the model config", source, err) from None
+
+
+def _weights_source(model: ModelSource | str | os.PathLike) -> tuple[ModelSource, ResolvedSource]:
+    """The section and its files, refusing a directory whose weights only pickle could load."""
+    spec = as_model_source(model)
+    source = resolve_source(spec)
+    if not source.gguf_file:
+        names = {p.name for p in source.directory.iterdir() if p.suffix in WEIGHT_SUFFIXES}
+        if names and not any(name.endswith(".safetensors") for name in names):
+            raise LmppoError(
+                f"{source} holds only pickled weights ({', '.join(sorted(names))}): lmppo loads safetensors only, "
+                "since unpickling runs code from the file. Convert it once, where you trust the file: "
+                "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR)` (safetensors by default)."
+            )
+    return spec, source
+
+
+def load_causal_lm(model: ModelSource | str | os.PathLike) -> PreTrainedModel:
+    """A causal LM (policy or reference) from a model section (or a bare path), in its ``dtype``."""
+    spec, source = _weights_source(model)
+    try:
+        return AutoModelForCausalLM.from_pretrained(source.directory, **_from_pretrained_kwargs(spec, source))
+    except (OSError, ValueError, SafetensorError) as err:
+        raise _load_error("a causal LM", source, err) from err
+
+
+def load_reward_model(model: ModelSource | str | os.PathLike, *, new_head: bool = False, pad_token_id=None):
+    """A one-label sequence scorer from a model section (or a bare path), in its ``dtype``.
+
+    By default it is a frozen reward model, and a checkpoint without a trained score head (e.g. a plain
+    causal LM) is refused: transformers would silently give it a randomly initialised head. With
+    ``new_head=True`` (reward-model training) a causal LM gets a fresh head and everything stays trainable;
+    ``pad_token_id`` goes into its config.
+    """
+    spec, source = _weights_source(model)
+    _check_one_label(source)
+    extra = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
+    try:
+        scorer, info = AutoModelForSequenceClassification.from_pretrained(
+            source.directory,
+            num_labels=1,
+            output_loading_info=True,
+            **extra,
+            **_from_pretrained_kwargs(spec, source),
+        )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        raise _load_error("a reward model", source, err) from err
+    if new_head:
+        return scorer
+    untrained_head = [key for key in info["missing_keys"] if key.split(".")[0] == "score"]
+    if untrained_head:
+        raise LmppoError(
+            f"{source} has no trained score head ({', '.join(untrained_head)} missing): it is not a reward "
+            "model. Train one with `lmppo train-rm`, or point `reward.model.path` at a reward-model checkpoint."
+        )
+    return freeze(scorer)
+
+
+def _check_one_label(source: ResolvedSource) -> None:
+    """A sequence classifier with several outputs is not a reward model (transformers would resize its head)."""
+    config_file = source.directory / "config.json"
+    if source.gguf_file or not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text())
+    classifier = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+    labels = len(config["id2label"]) if "id2label" in config else 2  # transformers omits its default, 2
+    if classifier and labels != 1:
+        raise LmppoError(
+            f"{source} is a sequence classifier with {labels} outputs; a reward model needs one scalar "
+            "(num_labels=1). Train one with `lmppo train-rm`, or use a reward model with a single output."
+        )
+
+
+def cache_gguf_as_transformers(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Convert a GGUF model once into a plain transformers directory (fp32 safetensors + tokenizer).
+
+    Loading a GGUF file dequantises every tensor and converts the tokenizer (tens of seconds); the
+    directory loads in about a second. ``save_pretrained`` refuses GGUF-loaded models, so the weights are
+    moved into a fresh model built from the config without its ``quantization_config``. The directory
+    records the GGUF file's sha256 and is rebuilt when the file changes. Returns ``out_dir``.
+    """
+    source = resolve_source(gguf_path)
+    if source.gguf_file is None:
+        raise LmppoError(f"{gguf_path} is not a .gguf file.")
+    out_dir = Path(out_dir)
+    gguf_sha256 = file_sha256(source.directory / source.gguf_file)
+    marker = out_dir / "lmppo_gguf_source.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("gguf_sha256") == gguf_sha256:
+        return out_dir
+    spec = ModelSource(path=str(source.directory), gguf_file=source.gguf_file)
+    tokenizer = load_tokenizer(spec)
+    gguf_model = load_causal_lm(spec)
+    config = gguf_model.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    staging = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / marker.name).write_text(json.dumps({"gguf_file": str(source), "gguf_sha256": gguf_sha256}))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(staging, out_dir)  # readers see either no directory or a complete one
+    return out_dir
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Make ``model`` frozen: ``eval()`` (no dropout) and no parameter gradients. Returns it."""
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def weight_files(source: ResolvedSource) -> list[Path]:
+    """A model's weight files: its GGUF file, or the directory's weight files sorted by name."""
+    if source.gguf_file:
+        return [source.directory / source.gguf_file]
+    return sorted(p for p in source.directory.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's content, read in 4 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
