@@ -48,7 +48,7 @@ from lmppo.evaluate import run_evaluator
 from lmppo.guards import Guards, held_out_score
 from lmppo.metrics import METRICS_FILE, MetricsLogger, ProgressDisplay, read_metrics, reduce_metrics
 from lmppo.models import PPOModels, keep_freed_heap_memory
-from lmppo.plan import check_plan
+from lmppo.plan import MemoryPlan, check_plan
 from lmppo.preflight import Preflight, run_preflight, summary_line, write_preflight_json
 from lmppo.resolve import RunSpec, resolve, resolve_device
 from lmppo.sft import sft_batch
@@ -148,12 +148,7 @@ def _train(
     checkpoint = _checkpoint_to_resume(Path(cfg.run.output_dir), resume, dist_info)
     barrier(dist_info.group)  # every rank has looked for a checkpoint before rank 0 writes the first one
     plan = check_plan(cfg, spec, force)  # no OOM an hour in
-    run = PPORun(cfg, spec, dist_info, checkpoint, evaluator_factory)
-    run.manifest["memory_plan"] = {
-        "peak_bytes": plan.peak,
-        "available_bytes": plan.available,
-        "fits": plan.fits,
-    }
+    run = PPORun(cfg, spec, dist_info, plan, evaluator_factory)
     if checkpoint is not None:
         run.resume(checkpoint, allow_config_change)
     return run.run()
@@ -169,11 +164,11 @@ class PPORun:
         cfg: Config,
         spec: RunSpec,
         dist_info: DistInfo,
-        checkpoint: Checkpoint | None,
+        plan: MemoryPlan,
         evaluator_factory: Callable[[PPOModels], Evaluator] | None = None,
     ) -> None:
         self.cfg, self.spec, self.dist_info = cfg, spec, dist_info
-        self.run_dir, self.resumed = Path(cfg.run.output_dir), checkpoint is not None
+        self.run_dir, self.resumed = Path(cfg.run.output_dir), False
         seed_everything(cfg.run.seed)  # every rank builds the same models (fresh heads, LoRA adapters)
         self.models = models = load_models(cfg, spec)
         located_prompts = load_located_prompts(cfg.data.prompts, cfg.data.split)
@@ -208,6 +203,7 @@ class PPORun:
             "config": cfg.model_dump(mode="json"),
             "identities": models.identities,
             "world_size": dist_info.world_size,
+            "memory_plan": {"peak_bytes": plan.peak, "available_bytes": plan.available, "fits": plan.fits},
         }
 
     def resume(self, checkpoint: Checkpoint, allow_config_change: bool) -> None:
@@ -225,6 +221,7 @@ class PPORun:
         apply_changed_settings(self.trainer, self.cfg, changed)
         self.guards.load_state_dict(checkpoint.state["guards"])
         self.best = dict(checkpoint.state.get("best") or {})
+        self.resumed = True
 
     def save(self, tag: str, is_best: bool = False) -> Path | None:
         """Every rank calls it; rank 0 writes and gets the path. ``is_best``: this step has the best
