@@ -235,6 +235,18 @@ def count_good_until_rank1_dies(prompts: Sequence, responses: Sequence[str]) -> 
 LOSES_RANK1 = f"{Path(__file__).resolve()}:count_good_until_rank1_dies"
 
 
+def count_good_but_rank1_fails(prompts: Sequence, responses: Sequence[str]) -> list[float]:
+    """:func:`count_good`, except that rank 1 raises in its second scoring (the first PPO step's)."""
+    global _scored_batches
+    _scored_batches += 1
+    if os.environ.get("RANK") == "1" and _scored_batches == 2:
+        raise ValueError("rank 1's reward service is down")
+    return count_good(prompts, responses)
+
+
+FAILS_ON_RANK1 = f"{Path(__file__).resolve()}:count_good_but_rank1_fails"
+
+
 def good_judge(prompt, response: str) -> float:
     """A held-out judge (``data.eval_judge``): :func:`count_good` of one response."""
     return count_good([prompt], [response])[0]

@@ -1,3 +1,4 @@
+import errno
 import json
 import os
 import random
@@ -10,6 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from lmppo.checkpoint import (
@@ -404,6 +406,7 @@ def test_differences_are_refused_listing_both_values_and_the_override():
         'identities.reward.path: checkpoint "rm", now "rm2"',
         "world_size: checkpoint 1, now 2",
         "--allow-config-change",
+        "sampling and shuffling generators start afresh",  # what another number of ranks changes
     ]:
         assert line in message
 
@@ -417,15 +420,25 @@ def test_the_override_returns_the_differences():
     ]
 
 
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_latest_and_says_so(tmp_path, monkeypatch):
-    import errno
-
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),  # what Python's own writes raise
+        SafetensorError(  # what safetensors raises for the tensors, word for word
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        ),
+    ],
+    ids=["os", "safetensors"],
+)
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_latest_and_says_so(
+    tmp_path, monkeypatch, error
+):
     import lmppo.checkpoint
 
     previous = _save(tmp_path, 1)
 
     def full_disk(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise error
 
     monkeypatch.setattr(lmppo.checkpoint, "save_file", full_disk)
     with pytest.raises(

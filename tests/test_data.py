@@ -188,3 +188,18 @@ def test_an_unknown_role_is_a_clear_error_not_a_template_traceback(toy_tokenizer
 
     with pytest.raises(LmppoError, match=r"roles \['narrator'\]"):
         render_query_ids(toy_tokenizers[0], [{"role": "narrator", "content": "count to 3"}])
+
+
+def test_a_tokenizer_without_a_chat_template_says_how_to_give_it_one(policy_tokenizer):
+    """A base model's tokenizer (GPT-2, Pythia) has no template: the fix is named, not transformers' ValueError."""
+    import copy
+
+    from lmppo.data import render_query_ids
+
+    base = copy.deepcopy(policy_tokenizer)
+    base.chat_template = None
+    with pytest.raises(
+        LmppoError, match=r"has no chat template.*models.policy.chat_template.*data.raw_prompts"
+    ):
+        render_query_ids(base, "count to 3")
+    assert render_query_ids(base, "count to 3", "{{ messages[0]['content'] }}")  # an override is enough

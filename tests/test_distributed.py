@@ -13,7 +13,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import GOOD_JUDGE, LOSES_RANK1, comparable, run_cli, toy_models, toy_trainer, write_config
+from helpers import (
+    FAILS_ON_RANK1,
+    GOOD_JUDGE,
+    LOSES_RANK1,
+    comparable,
+    run_cli,
+    toy_models,
+    toy_trainer,
+    write_config,
+)
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -350,3 +359,13 @@ def test_a_lost_rank_ends_the_job_with_the_intact_checkpoint_and_resume_continue
     assert torchrun(str(never_killed)).returncode == 0  # the marker exists: nobody dies this time
     resumed, straight = (read_metrics(run_files.parent / name) for name in ("killed", "never-killed"))
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4] and comparable(resumed) == comparable(straight)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_reward_function_failing_on_one_rank_is_reported_as_itself_not_as_a_lost_rank(run_files):
+    config = write_config(run_files, reward={"function": FAILS_ON_RANK1}, distributed={"timeout_s": 30})
+    done = torchrun(str(config))
+    assert done.returncode != 0 and "exitcode  : 2" in done.stderr, done.stderr  # both ranks: bad input
+    assert "on rank 1:" in done.stderr and "rank 1's reward service is down" in done.stderr
+    assert "lost rank" not in done.stderr

@@ -38,3 +38,19 @@ def test_lmppo_warnings_can_still_be_filtered_or_raised():
         with pytest.raises(LmppoWarning, match="noted"):
             warn("noted")
     assert issubclass(LmppoWarning, UserWarning)  # `-W ignore::UserWarning` silences it too
+
+
+def test_tables_keep_their_width_outside_a_terminal(capsys, monkeypatch):
+    """Printed to a file or a scheduler's log, a wide table is not cut at rich's 80 columns."""
+    from rich.table import Table
+
+    from lmppo.errors import console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    table = Table()
+    for i in range(12):
+        table.add_column(f"column {i}")
+    table.add_row(*(f"{i}.123456" for i in range(12)))
+    console().print(table)
+    out = capsys.readouterr().out
+    assert "11.123456" in out and "…" not in out

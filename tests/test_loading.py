@@ -130,3 +130,15 @@ def test_damaged_or_unsafe_weights_and_wrong_kinds_of_model_are_named(
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
     with pytest.raises(LmppoError, match="is a file, not a model"):
         load_causal_lm(tmp_path / "prompts.jsonl")
+
+
+def test_a_config_that_disagrees_with_the_weights_names_the_directory_and_the_mismatch(saved_policy):
+    config = json.loads((saved_policy / "config.json").read_text())
+    config["intermediate_size"] *= 2  # e.g. edited by hand, or copied from another model
+    (saved_policy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        LmppoError,
+        match=r"config.json disagrees with its weights \(6 tensors differ; the first: .*mlp.*\[32, 64\] in the weights, \[32, 128\] by config.json",
+    ) as err:
+        load_causal_lm(saved_policy)
+    assert str(saved_policy) in str(err.value) and "ignore_mismatched_sizes" not in str(err.value)

@@ -78,3 +78,15 @@ def test_lora_merged_decodes_like_the_adapter_and_leaves_the_base_untouched(poli
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert mergeable_lora_layers(policy) == []
     assert mergeable_lora_layers(policy_model.__class__(policy_model.config)) == []  # no LoRA at all
+
+
+def test_lora_and_checkpointing_print_no_third_party_deprecation_notes(policy_model):
+    """transformers' renaming notes (``is_gradient_checkpointing`` ...) ask nothing of a user: not shown."""
+    import warnings
+
+    from lmppo.models import enable_gradient_checkpointing
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        enable_gradient_checkpointing(apply_lora(policy_model, r=2, alpha=4))
+    assert not [w for w in seen if issubclass(w.category, FutureWarning)], [str(w.message) for w in seen]

@@ -66,7 +66,7 @@ def test_each_memory_option_shrinks_its_phase(run_files):
     assert phases("rollout.forward_batch_size=1")["stored passes"] < base["stored passes"]
     assert phases("rollout.forward_batch_tokens=40")["stored passes"] < base["stored passes"]
     assert phases("run.precision=bf16")["rollout"] < base["rollout"]  # a bf16 KV cache
-    assert phases("rollout.max_new_tokens=128")["rollout"] > base["rollout"]
+    assert phases("rollout.max_new_tokens=100")["rollout"] > base["rollout"]
 
 
 @pytest.mark.parametrize("shard_frozen", [True, False])
@@ -157,3 +157,11 @@ def test_each_learned_reward_component_has_its_row_and_a_critic_starts_from_the_
     assert rows["reward count"].parameters == 0
     assert rows["value"].parameters == sum(p.numel() for p in models.value.parameters())
     assert rows["reward a"].parameters < rows["reward b"].parameters  # the critic came from a, the smaller
+
+
+def test_a_response_longer_than_the_context_is_refused_by_the_context_check_not_the_plan(run_files):
+    """The toy policy reads 128 tokens: 200 new ones are a context error, not "needs N GiB more memory"."""
+    from lmppo.errors import LmppoError
+
+    with pytest.raises(LmppoError, match=r"rollout.max_new_tokens=200 leaves no room .* 128-token context"):
+        memory_plan(load_config(run_files, ["rollout.max_new_tokens=200"]))

@@ -55,6 +55,23 @@ def test_resume_before_the_first_checkpoint_says_so(tmp_path, capsys):
     assert "holds no checkpoint yet" in err and "start the run again" in err and "Traceback" not in err
 
 
+def test_a_run_whose_config_yaml_was_deleted_says_so_and_restores_it_from_the_checkpoint(run_files, capsys):
+    run_dir = run_files.parent / "run"
+    assert run_cli("ppo", str(write_config(run_files, run={"steps": 1}))) == 0
+    (run_dir / "config.yaml").unlink()
+    capsys.readouterr()
+    assert run_cli("ppo", "--resume", str(run_dir), "run.steps=2") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "config.yaml is missing" in err and "step-000001" in err and "--restore-config" in err
+    assert "holds no checkpoint yet" not in err
+    with pytest.warns(
+        UserWarning, match=r"restored .*config.yaml from the manifest of checkpoint step-000001"
+    ):
+        assert run_cli("ppo", "--resume", str(run_dir), "--restore-config", "run.steps=2") == 0
+    assert (run_dir / "config.yaml").is_file()
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2]
+
+
 def test_an_output_dir_that_is_a_file_is_refused_and_left_alone(run_files, capsys):
     target = run_files.parent / "taken"
     target.write_text("my notes")
@@ -297,6 +314,36 @@ def test_sigkill_at_random_moments_always_resumes_from_an_intact_checkpoint(run_
     step = load_checkpoint(latest_checkpoint(run_dir)).step
     assert run_cli("ppo", "--resume", str(run_dir), f"run.steps={step + 1}") == 0
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(step + 2))
+
+
+@pytest.mark.slow
+def test_a_run_directory_has_one_writer_until_its_process_dies(run_files):
+    """A second `lmppo ppo` on a live run's directory is refused and changes nothing of it; once the first
+    is SIGKILLed (no clean-up ran), --resume takes the directory over at once."""
+    config = write_config(run_files, run={"steps": 200})
+    run_dir = run_files.parent / "run"
+    first = _start_run(config)
+    _wait_for_step(run_dir, 1, first)
+    for args in (["--resume", str(run_dir)], [str(config)]):
+        second = subprocess.run(
+            [sys.executable, "-m", "lmppo", "ppo", *args, "--quiet"], capture_output=True, text=True
+        )
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
+        assert "is in use" in second.stderr and f"process {first.pid} on" in second.stderr
+    assert first.poll() is None  # the live run went on
+    first.kill()
+    first.wait()
+    step = load_checkpoint(latest_checkpoint(run_dir)).step
+    assert run_cli("ppo", "--resume", str(run_dir), f"run.steps={step + 1}") == 0
+    assert not (run_dir / ".lmppo.lock").exists()  # released at the end of the run
+
+
+def test_a_bad_run_leaves_no_run_directory_behind(run_files, capsys):
+    """The lock creates the run directory; a run refused before writing anything removes it again."""
+    config = write_config(run_files, data={"prompts": str(run_files.parent / "missing.jsonl")})
+    assert run_cli("ppo", str(config)) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert not (run_files.parent / "run").exists()
 
 
 def test_a_reward_function_that_raises_shows_its_frames_the_step_and_the_intact_checkpoint(run_files, capsys):

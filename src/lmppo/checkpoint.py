@@ -9,6 +9,7 @@ complete checkpoint. See docs/checkpoints.md.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -17,6 +18,7 @@ import platform
 import random
 import re
 import shutil
+import socket
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -25,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import lmppo
@@ -32,6 +35,7 @@ from lmppo.errors import LmppoError
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
+LOCK_FILE = ".lmppo.lock"  # held by the one process that writes a run directory
 BEST_FILE = "best"  # names the checkpoint with the best held-out score
 STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
@@ -300,11 +304,12 @@ def save_checkpoint(
     staging.mkdir()
     try:
         _write_checkpoint_files(staging, step, tensors, state, manifest, tag, list(adopt))
-    except OSError as err:  # a full disk, a quota, a vanished mount: the previous checkpoints are untouched
-        shutil.rmtree(staging, ignore_errors=True)
+    except (OSError, SafetensorError) as err:  # a full disk, a quota, a vanished mount (safetensors' own
+        shutil.rmtree(staging, ignore_errors=True)  # error for the tensors): older checkpoints are untouched
         kept = latest_checkpoint(checkpoints_dir.parent)
         raise LmppoError(
-            f"could not write checkpoint {final} ({err.strerror or err}); nothing was replaced: the latest "
+            f"could not write checkpoint {final} ({getattr(err, 'strerror', None) or err}); nothing was "
+            f"replaced: the latest "
             f"checkpoint is still {kept or 'none'}. Free space (or fix the directory) and continue with "
             f"`lmppo ppo --resume {checkpoints_dir.parent}`."
         ) from None
@@ -559,12 +564,79 @@ def check_compatible(
         )
     if differences and not allow_mismatch:
         lines = "\n".join(f"  - {d}" for d in differences)
+        ranks = (
+            " With another number of ranks the weights, optimizer, schedule, KL controller and data position "
+            "carry over, but each rank's sampling and shuffling generators start afresh: the run does not "
+            "continue bit for bit."
+            if any(d.startswith("world_size") for d in differences)
+            else ""
+        )
         raise LmppoError(
             f"cannot resume: this run differs from the checkpoint it resumes:\n{lines}\n"
-            "Pass --allow-config-change to resume anyway (the differences are recorded in the run)."
+            f"Pass --allow-config-change to resume anyway (the differences are recorded in the run).{ranks}"
         )
     return differences
 
 
 def _show(value: Any) -> str:
     return "(absent)" if value is _ABSENT else json.dumps(value)
+
+
+# --------------------------------------------------------------------------------------------------
+# One writer per run directory
+# --------------------------------------------------------------------------------------------------
+
+
+class RunDirLock:
+    """The run directory's owner: an exclusive ``flock`` on ``RUN_DIR/.lmppo.lock`` for the life of the
+    run. The kernel drops it when the process ends however it ends (exit, crash, SIGKILL), so a dead
+    run's directory is free at once; a live one refuses a second writer, naming its process and host.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        run_dir = Path(run_dir)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise LmppoError(
+                f"run.output_dir={run_dir} is an existing file; set run.output_dir to a directory"
+            )
+        self.created = not run_dir.exists()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir, self.path = run_dir, run_dir / LOCK_FILE
+        self.fd = self._acquire()
+
+    def _acquire(self) -> int:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                self._undo_mkdir()
+                raise LmppoError(
+                    f"run.output_dir={self.run_dir} is in use: {holder} is writing it (it holds {self.path} "
+                    "while it runs). Wait for that run to end or stop it; as soon as its process is gone, "
+                    "also after a crash or a SIGKILL, `lmppo ppo --resume` takes the directory over. To run "
+                    "something else alongside, set run.output_dir to another directory"
+                ) from None
+            try:  # the file may have been unlinked by a holder that released it between open and flock
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        os.ftruncate(fd, 0)
+        os.write(fd, f"process {os.getpid()} on {socket.gethostname()} (since {started})\n".encode())
+        return fd
+
+    def release(self) -> None:
+        """Give the directory up (unlinked first, so no one locks the file being let go)."""
+        self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+        self._undo_mkdir()
+
+    def _undo_mkdir(self) -> None:
+        """A run directory this lock created and nothing was written to is removed again."""
+        if self.created and self.run_dir.is_dir() and not any(self.run_dir.iterdir()):
+            self.run_dir.rmdir()

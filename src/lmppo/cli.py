@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from lmppo import __version__
 from lmppo.errors import Interrupted, LmppoError
+from lmppo.errors import console as make_console
 
 app = typer.Typer(
     name="lmppo",
@@ -20,7 +20,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
+console = make_console(stderr=True)
 
 
 def _version(value: bool) -> None:
@@ -76,6 +76,9 @@ def ppo(
     force: bool = typer.Option(
         False, "--force", help="Start even when the memory plan (`lmppo plan`) says the run does not fit."
     ),
+    restore_config: bool = typer.Option(
+        False, "--restore-config", help="With --resume: write a missing config.yaml back from the checkpoint."
+    ),
 ) -> None:
     """Train a policy with PPO: `lmppo ppo CONFIG section.key=value ...`."""
     from lmppo.config import load_config
@@ -85,7 +88,7 @@ def ppo(
     if config is not None and "=" in str(config):  # `lmppo ppo --resume RUN_DIR a.b=c`
         overrides, config = [str(config), *overrides], None
     if resume is not None:
-        config = config or resumed_config(resume)
+        config = config or resumed_config(resume, restore=restore_config)
         overrides.append(f"run.output_dir={resume}")
     if config is None:
         raise LmppoError("give a config file: `lmppo ppo CONFIG`, or `lmppo ppo --resume RUN_DIR`")
@@ -117,7 +120,9 @@ def plan(
 
     cfg = load_config(config, list(overrides or []))
     available = int(memory_gb * GIB) if memory_gb is not None else None
-    Console().print(plan_report(memory_plan(cfg, world_size=ranks, available=available)))  # stdout: a result
+    make_console().print(
+        plan_report(memory_plan(cfg, world_size=ranks, available=available))
+    )  # stdout: a result
 
 
 def _supervised_config(config: Path, overrides: list[str] | None):
@@ -211,7 +216,7 @@ def check_rm(
     from lmppo.preflight import check_reward, preflight_tables, summary_line
 
     preflight, bias = check_reward(load_config(config, list(overrides or [])))
-    out = Console()  # stdout: a result
+    out = make_console()  # stdout: a result
     for table in preflight_tables(preflight):
         out.print(table)
     print(summary_line(preflight))

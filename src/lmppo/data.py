@@ -23,10 +23,22 @@ def as_messages(prompt: Prompt) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
 
 
+def check_chat_template(tokenizer, chat_template: str | None) -> None:
+    """A conversation needs a template: the override, or the tokenizer's own (a base model's has none)."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise LmppoError(
+            f"the tokenizer of {getattr(tokenizer, 'name_or_path', '') or 'this model'} has no chat template "
+            "(a base model's tokenizer often has none); give the model one in its config section "
+            "(models.policy.chat_template, or the reward model's chat_template: a Jinja template), or let the "
+            "policy read prompts as plain text with data.raw_prompts=true"
+        )
+
+
 def render_chat(
     tokenizer, messages: list[dict[str, str]], chat_template: str | None, *, add_generation_prompt: bool
 ) -> str:
     """The text of a conversation under the chat template (``chat_template`` overrides the tokenizer's)."""
+    check_chat_template(tokenizer, chat_template)
     try:
         return tokenizer.apply_chat_template(
             messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False

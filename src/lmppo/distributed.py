@@ -32,6 +32,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from lmppo.errors import UserCodeError
 from lmppo.models import decoder_layers
 from lmppo.resolve import RoleSpec, RunSpec
 
@@ -129,6 +130,26 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, obj, group=group)
     return gathered
+
+
+@contextlib.contextmanager
+def failing_together(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Every rank runs the block; when the user's code (a reward function, a judge) raises on one rank,
+    every rank raises that error, naming the rank, instead of the others failing later in a collective as
+    if that rank were lost. Costs one small gather after the block (nothing alone). The block must hold
+    no collective, which a failing rank would leave the others waiting in."""
+    failure = None
+    try:
+        yield
+    except UserCodeError as err:
+        if group is None:
+            raise
+        failure = str(err)
+    if group is None:
+        return
+    for rank, message in enumerate(gather_objects(failure, group)):
+        if message is not None:
+            raise UserCodeError(f"on rank {rank}: {message}")
 
 
 def barrier(group: dist.ProcessGroup | None) -> None:

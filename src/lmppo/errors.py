@@ -1,5 +1,5 @@
-"""The one exception type for user mistakes (bad config, bad data, missing files), and the one way to
-warn a user.
+"""The one exception type for user mistakes (bad config, bad data, missing files), the one way to
+warn a user, and the console everything a user reads is printed on.
 
 The CLI prints an ``LmppoError`` as a short paragraph without a traceback; anything else is a bug
 and keeps its traceback. Messages name the thing that is wrong and say how to fix it. A warning
@@ -7,6 +7,7 @@ and keeps its traceback. Messages name the thing that is wrong and say how to fi
 ``warnings`` machinery, so it can be filtered, turned into an error or caught in a test.
 """
 
+import os
 import sys
 import warnings
 
@@ -75,3 +76,13 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 _python_show_warning = warnings.showwarning
 warnings.showwarning = _show_warning
+
+
+def console(*, stderr: bool = False):
+    """A rich console on stdout (or stderr). Outside a terminal (a file, a scheduler's log) rich would
+    cut tables at 80 columns; there it prints them 200 wide, unless ``COLUMNS`` says otherwise."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() or "COLUMNS" in os.environ else 200
+    return Console(stderr=stderr, width=width)

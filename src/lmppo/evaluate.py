@@ -33,7 +33,7 @@ from lmppo.build import generator_options, load_reward
 from lmppo.config import load_config
 from lmppo.core import kl_estimate
 from lmppo.data import Prompt, load_demonstrations, load_prompts
-from lmppo.distributed import all_sum, gather_objects
+from lmppo.distributed import all_sum, failing_together, gather_objects
 from lmppo.errors import LmppoError, user_code_error
 from lmppo.loading import load_causal_lm, load_tokenizer
 from lmppo.models import autocast, eval_mode
@@ -106,7 +106,7 @@ def evaluate_policy(
         raise LmppoError("evaluation: no held-out prompts; check data.eval_prompts")
     generator = HFGenerator(policy, tokenizer, **generator_options)
     rows = []
-    with _seeded_rng(seed, policy):
+    with _seeded_rng(seed, policy), failing_together(group):  # a judge failing on one rank stops all
         for start in range(0, len(prompts), batch_size):
             rollout = generator.generate(prompts[start : start + batch_size], policy_version=0)
             rows += _measure(rollout, reward_fn, policy, reference, gold_fn)

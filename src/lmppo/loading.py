@@ -8,10 +8,13 @@ The policy and the reference are causal LMs; a reward model is a sequence scorer
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +111,14 @@ def _from_pretrained_kwargs(spec: ModelSource, source: ResolvedSource, *, weight
 
 
 def _load_error(what: str, source: ResolvedSource, err: Exception) -> LmppoError:
+    if "ignore_mismatched_sizes" in str(err) or "size mismatch for" in str(err):
+        mismatches = _shape_mismatches(source)
+        first = mismatches[0] if mismatches else "see transformers' report above"
+        return LmppoError(
+            f"{source}: its config.json disagrees with its weights ({len(mismatches)} tensors differ; the "
+            f"first: {first}). The weights were saved from another configuration: restore the config.json "
+            "saved with them, or save the model again with `save_pretrained`"
+        )
     if "trust_remote_code" in str(err):
         return LmppoError(
             f"{what} at {source} needs custom code from its repository; set `trust_remote_code: true` "
@@ -119,6 +130,29 @@ def _load_error(what: str, source: ResolvedSource, err: Exception) -> LmppoError
 # --------------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------------
+
+
+def _shape_mismatches(source: ResolvedSource) -> list[str]:
+    """Each weight whose shape in the files differs from the one ``config.json`` builds (on the meta device)."""
+    from safetensors import safe_open
+
+    if source.gguf_file:  # a GGUF file carries its own configuration
+        return []
+    config = AutoConfig.from_pretrained(source.directory, local_files_only=True)
+    with torch.device("meta"):
+        expected = {
+            k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()
+        }
+    found = []
+    for path in weight_files(source):
+        with safe_open(path, "pt") as weights:
+            for name in weights.keys():  # noqa: SIM118 (safe_open is no mapping)
+                shape = tuple(weights.get_slice(name).get_shape())
+                if name in expected and expected[name] != shape:
+                    found.append(
+                        f"{name}: {list(shape)} in the weights, {list(expected[name])} by config.json"
+                    )
+    return found
 
 
 def load_tokenizer(model: ModelSource | str | os.PathLike) -> PreTrainedTokenizerBase:
@@ -169,7 +203,7 @@ def load_causal_lm(model: ModelSource | str | os.PathLike) -> PreTrainedModel:
     spec, source = _weights_source(model)
     try:
         return AutoModelForCausalLM.from_pretrained(source.directory, **_from_pretrained_kwargs(spec, source))
-    except (OSError, ValueError, SafetensorError) as err:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         raise _load_error("a causal LM", source, err) from err
 
 
@@ -274,3 +308,13 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def renames_unannounced() -> Iterator[None]:
+    """transformers 5 announces the renaming of its gradient-checkpointing methods (to "activation
+    checkpointing") on every call, also from inside peft: a FutureWarning that asks nothing of a user of
+    lmppo. Silenced for the block; every other warning passes."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`(is_)?gradient_checkpointing\w*` is deprecated", FutureWarning)
+        yield

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
-from lmppo.loading import freeze
+from lmppo.loading import freeze, renames_unannounced
 
 
 def apply_lora(
@@ -39,7 +39,8 @@ def apply_lora(
     config = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": target_modules}
     if task_type is None:
         task_type = "SEQ_CLS" if type(model).__name__.endswith("ForSequenceClassification") else "CAUSAL_LM"
-    return get_peft_model(model, LoraConfig(task_type=task_type, **config))
+    with renames_unannounced():
+        return get_peft_model(model, LoraConfig(task_type=task_type, **config))
 
 
 def with_lora(model: nn.Module, lora, task_type: str | None = None) -> nn.Module:

@@ -21,11 +21,10 @@ from typing import Any, Self
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from lmppo.distributed import collective_device
-from lmppo.errors import LmppoError
+from lmppo.errors import LmppoError, console
 
 METRIC_NAMES: dict[str, str] = {
     "reward/rm_score": "mean raw sequence score of the reward model (or reward function), before preprocessing",
@@ -394,7 +393,7 @@ class ProgressDisplay:
         enabled: bool = True,
     ) -> None:
         self.total_steps, self.start_step, self.enabled = total_steps, start_step, enabled
-        self.console = Console()
+        self.console = console()
         self.quiet = quiet or not self.console.is_terminal
         self.every = every or max(1, round(total_steps / 50))
         self._started = time.perf_counter()

@@ -28,7 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lmppo.errors import LmppoError
-from lmppo.loading import WEIGHT_SUFFIXES, ResolvedSource, file_sha256, weight_files
+from lmppo.loading import WEIGHT_SUFFIXES, ResolvedSource, file_sha256, renames_unannounced, weight_files
 from lmppo.lora import LoraReference, unwrap_model, with_lora, without_adapters
 from lmppo.resolve import RoleSpec
 
@@ -54,7 +54,8 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     """transformers' per-layer activation checkpointing on ``model`` (a causal LM, a peft model or a
     :class:`ValueModel`'s backbone). Non-reentrant, so LoRA needs no input gradients."""
     base = unwrap_model(model.backbone if isinstance(model, ValueModel) else model)
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with renames_unannounced():
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def decoder_layers(module: nn.Module) -> list[nn.Module]:

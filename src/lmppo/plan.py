@@ -28,6 +28,7 @@ from lmppo.loading import DTYPES, load_model_config, load_tokenizer, resolve_sou
 from lmppo.lora import with_lora
 from lmppo.models import make_value_model
 from lmppo.resolve import RoleSpec, RunSpec, resolve
+from lmppo.rollout import prompt_room
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = GIB // 2  # the CUDA context and kernels: outside torch's allocator
@@ -199,6 +200,9 @@ def model_rows(cfg: Config, spec: RunSpec) -> tuple[list[ModelRow], dict[str, Sh
     shapes of the policy, reward models and critic, and the largest conversion a load does
     (:func:`conversion_bytes`)."""
     policy_config = load_model_config(spec.policy.source)
+    # the context check the rollout makes, before any figure: a response longer than the window is no OOM
+    context = getattr(policy_config, "max_position_embeddings", None)
+    prompt_room(context, cfg.rollout.max_new_tokens, cfg.data.max_prompt_length)
     policy = with_lora(_meta_model(policy_config), spec.policy.lora)
     shapes = {"policy": Shape.of(policy_config)}
     rows = [_row(spec.policy, *_counts(policy))]

@@ -16,12 +16,12 @@ from importlib import resources
 from pathlib import Path
 
 import yaml
-from rich.console import Console
 
 from lmppo.build import generator_options, load_reward
 from lmppo.config import QuickstartConfig, TrainingStage, apply_override, validate_config
 from lmppo.data import read_jsonl
 from lmppo.errors import GuardAbort, LmppoError
+from lmppo.errors import console as make_console
 from lmppo.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table, write_eval_json
 from lmppo.loading import load_causal_lm, load_tokenizer
 from lmppo.models import PPOModels
@@ -33,7 +33,7 @@ from lmppo.sft import train_sft
 from lmppo.toy.models import ToyWorld, build_toy_world, load_toy_world, reward_model_from_policy
 from lmppo.toy.task import gold_score, task_of
 
-console = Console()
+console = make_console()
 STAGE_SECTIONS = ("sft", "reward_model")  # override prefixes that address a stage, not the PPO run
 
 # The CI-sized run: less data, fewer epochs and PPO steps (same models and task).

@@ -161,13 +161,23 @@ def load_preference_jsonl(path: str | Path) -> list[dict]:
             if not isinstance(row[key], str):
                 raise LmppoError(f"{where}: {key!r} must be the response text, got {type(row[key]).__name__}")
         row["prompt"] = prompt_of_row(row, where)
-        (ties if row["chosen"] == row["rejected"] else rows).append(row)
-    if ties:
-        warn(f"{path}: skipped {len(ties)} pairs whose chosen and rejected responses are identical")
+        if row["chosen"] == row["rejected"]:
+            ties.append(where)
+        else:
+            rows.append(row)
+    if ties and rows:
+        warn(
+            f"{path}: skipped {len(ties)} pairs whose chosen and rejected responses are identical ({ties[0]}, ...)"
+        )
     if not rows:
+        why = (
+            f"in every line chosen and rejected are the same text ({', '.join(ties[:3])}), which teaches nothing"
+            if ties
+            else "it has no lines"
+        )
         raise LmppoError(
-            f"{path} holds no usable preference pairs; each line must be a JSON object {list(PAIR_KEYS)} with "
-            "two different responses"
+            f"{path} holds no usable preference pairs: {why}. Each line must be a JSON object "
+            f"{list(PAIR_KEYS)} with two different responses"
         )
     return rows
 

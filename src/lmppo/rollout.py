@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerBase, StaticCache, TopKLogitsWarper,
 from transformers.cache_utils import StaticLayer
 
 from lmppo.core import last_response_index, token_logprobs
-from lmppo.data import Prompt, render_query_ids
+from lmppo.data import Prompt, check_chat_template, render_query_ids
 from lmppo.distributed import gather_objects
 from lmppo.errors import LmppoError, warn
 from lmppo.lora import lora_merged, unwrap_model
@@ -521,6 +521,25 @@ def _values_in_key_dtype(update, key_states, value_states, *args, **kwargs):
     return update(key_states, value_states.to(key_states.dtype), *args, **kwargs)
 
 
+def prompt_room(context: int | None, max_new_tokens: int, max_prompt_length: int | None) -> int | None:
+    """Tokens a rendered prompt may take in a ``context``-token window (None: no limit known) next to
+    ``max_new_tokens`` of response: ``data.max_prompt_length`` when set, else the rest of the window."""
+    if context is not None and max_new_tokens >= context:
+        raise LmppoError(
+            f"rollout.max_new_tokens={max_new_tokens} leaves no room for a prompt in the policy's {context}-token "
+            f"context window (max_position_embeddings); set rollout.max_new_tokens below {context}"
+        )
+    room = None if context is None else context - max_new_tokens
+    if max_prompt_length is None:
+        return room
+    if room is not None and max_prompt_length > room:
+        raise LmppoError(
+            f"data.max_prompt_length={max_prompt_length} + rollout.max_new_tokens={max_new_tokens} exceeds the "
+            f"policy's {context}-token context window; lower one of them"
+        )
+    return max_prompt_length
+
+
 class HFGenerator:
     """Samples responses from a transformers causal LM, one decode step per token on a static KV cache.
 
@@ -573,11 +592,8 @@ class HFGenerator:
             raise LmppoError(
                 f"need max_new_tokens >= 1, top_k >= 0, 0 < top_p <= 1; got {max_new_tokens}, {top_k}, {top_p}."
             )
-        if not raw_prompts and chat_template is None and not tokenizer.chat_template:
-            raise LmppoError(
-                "the policy tokenizer has no chat template: set `models.policy.chat_template`, or "
-                "`data.raw_prompts: true` to feed prompt strings to the model as they are."
-            )
+        if not raw_prompts:
+            check_chat_template(tokenizer, chat_template)
         stops = {int(i) for i in stop_token_ids or []}
         if tokenizer.eos_token_id is not None:
             stops.add(tokenizer.eos_token_id)
@@ -602,19 +618,7 @@ class HFGenerator:
 
     def _prompt_limit(self, max_prompt_length: int | None) -> int | None:
         context = getattr(self.model.config, "max_position_embeddings", None)
-        if context is not None and self.max_new_tokens >= context:
-            raise LmppoError(
-                f"max_new_tokens={self.max_new_tokens} leaves no room for a prompt in the {context}-token context."
-            )
-        room = None if context is None else context - self.max_new_tokens
-        if max_prompt_length is None:
-            return room
-        if room is not None and max_prompt_length > room:
-            raise LmppoError(
-                f"max_prompt_length={max_prompt_length} + max_new_tokens={self.max_new_tokens} exceeds the "
-                f"model's {context}-token context window."
-            )
-        return max_prompt_length
+        return prompt_room(context, self.max_new_tokens, max_prompt_length)
 
     def render(self, prompt: Prompt) -> list[int]:
         """Token ids of one prompt, ready for generation (chat template with the generation prompt)."""

@@ -6,11 +6,13 @@ Under ``torchrun`` every rank runs :func:`train`: data parallel over the process
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import random
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -21,7 +23,9 @@ from transformers import GenerationConfig
 from lmppo.build import build_trainer, load_models, load_policy
 from lmppo.checkpoint import (
     CHECKPOINTS_DIR,
+    MANIFEST_FILE,
     Checkpoint,
+    RunDirLock,
     best_checkpoint,
     check_compatible,
     last_good_checkpoint,
@@ -29,7 +33,7 @@ from lmppo.checkpoint import (
     load_checkpoint,
     load_intact_checkpoint,
 )
-from lmppo.config import Config
+from lmppo.config import Config, load_config
 from lmppo.data import load_demonstrations, load_located_prompts, prompt_slices
 from lmppo.diagnose import LiveDiagnosis
 from lmppo.distributed import (
@@ -145,13 +149,33 @@ def _train(
     if device.type == "cpu":
         keep_freed_heap_memory()  # no page faults on every step's large tensors
     spec = resolve(cfg, device=device, world_size=dist_info.world_size)  # every check before anything heavy
-    checkpoint = _checkpoint_to_resume(Path(cfg.run.output_dir), resume, dist_info)
-    barrier(dist_info.group)  # every rank has looked for a checkpoint before rank 0 writes the first one
-    plan = check_plan(cfg, spec, force)  # no OOM an hour in
-    run = PPORun(cfg, spec, dist_info, plan, evaluator_factory)
-    if checkpoint is not None:
-        run.resume(checkpoint, allow_config_change)
-    return run.run()
+    with owning(Path(cfg.run.output_dir), dist_info):
+        checkpoint = _checkpoint_to_resume(Path(cfg.run.output_dir), resume, dist_info)
+        barrier(dist_info.group)  # every rank has looked for a checkpoint before rank 0 writes the first one
+        plan = check_plan(cfg, spec, force)  # no OOM an hour in
+        run = PPORun(cfg, spec, dist_info, plan, evaluator_factory)
+        if checkpoint is not None:
+            run.resume(checkpoint, allow_config_change)
+        return run.run()
+
+
+@contextlib.contextmanager
+def owning(run_dir: Path, dist_info: DistInfo) -> Iterator[None]:
+    """The run directory for this run alone (:class:`lmppo.checkpoint.RunDirLock`), held by rank 0 until
+    the run ends; every rank stops when it is refused."""
+    lock, refusal = None, None
+    if dist_info.is_main:
+        try:
+            lock = RunDirLock(run_dir)
+        except LmppoError as err:
+            refusal = err
+    if any_rank(refusal is not None, dist_info.group):
+        raise refusal or LmppoError(f"rank 0 could not take run.output_dir={run_dir}; its message says why")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 class PPORun:
@@ -407,20 +431,32 @@ def guard_abort(
     )
 
 
-def resumed_config(run_dir: Path) -> Path:
-    """The resolved config a run directory holds, for ``--resume``; a clear error when there is none."""
+def resumed_config(run_dir: Path, restore: bool = False) -> Path:
+    """The resolved config a run directory holds, for ``--resume``; a clear error when there is none.
+    ``restore``: write a missing ``config.yaml`` back from the latest checkpoint's manifest first."""
     config = Path(run_dir) / "config.yaml"
-    if not config.is_file():
+    if config.is_file():
+        return config
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
         raise LmppoError(
             f"--resume: {run_dir} holds no checkpoint yet (the run stopped before its first one was saved, or "
             "this is not a run directory); start the run again with `lmppo ppo CONFIG`"
         )
+    if not restore:
+        raise LmppoError(
+            f"--resume: {config} is missing, but {run_dir} holds checkpoints (the latest: {latest.name}), and each "
+            "checkpoint's manifest records the resolved config the run used. Write it back and continue with "
+            f"`lmppo ppo --resume {run_dir} --restore-config`, or give the config yourself: "
+            f"`lmppo ppo CONFIG --resume {run_dir}`"
+        )
+    manifest = json.loads((latest / MANIFEST_FILE).read_text())
+    config.write_text(load_config(base=manifest["config"]).to_yaml())
+    warn(f"restored {config} from the manifest of checkpoint {latest.name}")
     return config
 
 
 def _checkpoint_to_resume(run_dir: Path, resume: bool, dist_info: DistInfo) -> Checkpoint | None:
-    if run_dir.exists() and not run_dir.is_dir():
-        raise LmppoError(f"run.output_dir={run_dir} is an existing file; set run.output_dir to a directory")
     if resume:
         checkpoint, damaged = load_intact_checkpoint(
             run_dir, set_aside=dist_info.is_main, rank=dist_info.rank, world_size=dist_info.world_size

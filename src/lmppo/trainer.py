@@ -21,7 +21,14 @@ from torch import nn
 from lmppo import core
 from lmppo.config import Config
 from lmppo.data import PromptStream
-from lmppo.distributed import CommCounter, all_sum, full_tensor, gathered, trained_state_bytes
+from lmppo.distributed import (
+    CommCounter,
+    all_sum,
+    failing_together,
+    full_tensor,
+    gathered,
+    trained_state_bytes,
+)
 from lmppo.errors import LmppoError
 from lmppo.metrics import timed
 from lmppo.models import PPOModels, autocast, trainable_parameters
@@ -74,16 +81,13 @@ class PPOTrainer:
         self.cfg, self.spec, self.group = cfg, spec, group
         self.rank, self.world_size = rank, spec.world_size
         vars(self).update(vars(parts))  # the ready-made parts under their own names (models, generator, ...)
-        self.policy, self.reference, self.value_model = (
-            self.models.policy,
-            self.models.reference,
-            self.models.value,
-        )
+        models = self.models
+        self.policy, self.reference, self.value_model = models.policy, models.reference, models.value
         self.device, self.precision = spec.device, spec.precision
-        self.stored_pass_batching = {  # rows or a token budget per forward of the passes without gradients
-            "forward_batch_size": cfg.rollout.forward_batch_size,
-            "forward_batch_tokens": cfg.rollout.forward_batch_tokens,
-        }
+        r = cfg.rollout  # rows or a token budget per forward of the passes without gradients:
+        self.stored_pass_batching = dict(
+            forward_batch_size=r.forward_batch_size, forward_batch_tokens=r.forward_batch_tokens
+        )
         self.shuffle_generator = torch.Generator().manual_seed(cfg.run.seed + 1 + rank)
         self.step_count = 0  # PPO steps done
         self.policy_version = 0  # PPO steps that changed the policy; each rollout records the one it saw
@@ -94,11 +98,8 @@ class PPOTrainer:
         """The numerics of every forward pass: bf16 autocast under ``run.precision=bf16``, else nothing."""
         return autocast(self.precision, self.device)
 
-    # ----------------------------------------------------------------------------------------------
-    # one PPO step
-    # ----------------------------------------------------------------------------------------------
-
     def step(self) -> dict[str, float]:
+        """One PPO iteration (the class's docstring); returns its metrics, this rank's until reduced."""
         cfg = self.cfg
         seconds: dict[str, float] = {}
         critic_only = self.step_count < cfg.ppo.critic_warmup_steps  # critic warmup: the policy waits
@@ -183,7 +184,8 @@ class PPOTrainer:
         """
         mask, stored_pass, seconds = rollout.response_mask, self.stored_pass_batching, {}
         with timed(seconds, "perf/reward_s"), self.autocast(), gathered(*self.models.reward_models):
-            raw = self.reward.raw_scores(rollout.prompts, rollout.response_texts)
+            with failing_together(self.group):  # a reward function failing on one rank stops every rank
+                raw = self.reward.raw_scores(rollout.prompts, rollout.response_texts)
         rm_score_raw = self.reward.weighted(raw).to(mask.device)
         rm_score, component_rows, transform_stats = self.reward.shape(
             raw, rollout.terminated.to(mask.device), self.group
