@@ -338,6 +338,14 @@ def test_a_run_directory_has_one_writer_until_its_process_dies(run_files):
     assert not (run_dir / ".lmppo.lock").exists()  # released at the end of the run
 
 
+def test_an_output_dir_that_cannot_be_written_is_a_clear_error(run_files, capsys):
+    (run_files.parent / "notes").write_text("a file where a directory would have to be")
+    config = write_config(run_files, run={"output_dir": str(run_files.parent / "notes" / "run")})
+    assert run_cli("ppo", str(config)) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "cannot write in run.output_dir=" in err and "Traceback" not in err
+
+
 def test_a_bad_run_leaves_no_run_directory_behind(run_files, capsys):
     """The lock creates the run directory; a run refused before writing anything removes it again."""
     config = write_config(run_files, data={"prompts": str(run_files.parent / "missing.jsonl")})

@@ -600,9 +600,15 @@ class RunDirLock:
                 f"run.output_dir={run_dir} is an existing file; set run.output_dir to a directory"
             )
         self.created = not run_dir.exists()
-        run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir, self.path = run_dir, run_dir / LOCK_FILE
-        self.fd = self._acquire()
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.fd = self._acquire()
+        except OSError as err:  # read-only, no permission, a file where a directory must be, a full disk
+            raise LmppoError(
+                f"cannot write in run.output_dir={run_dir} ({err.strerror or err}); set run.output_dir to a "
+                "directory this process can write"
+            ) from None
 
     def _acquire(self) -> int:
         while True:
