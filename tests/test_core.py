@@ -434,3 +434,43 @@ def test_gae_keeps_float64_precision():
     assert advantages.dtype == torch.float64
     expected = rewards.sum() - values[0, 0]  # with gamma = lam = 1, A_0 is the return minus V_0
     assert abs(advantages[0, 0].item() - expected.item()) < 1e-15  # fp32 would be off by ~1e-7
+
+
+# --------------------------------------------------------------------------------------------------
+# Critic-free baselines (worked by hand)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_group_advantages_worked_examples():
+    """Two prompts, two samples each: scores (1, 2) and (3, 6)."""
+    scores = torch.tensor([1.0, 2.0, 3.0, 6.0])
+    half = 0.5**0.5  # deviation / unbiased std of any two distinct samples
+    torch.testing.assert_close(
+        core.group_advantages(scores, 2, "grpo"), torch.tensor([-half, half, -half, half])
+    )
+    torch.testing.assert_close(
+        core.group_advantages(scores, 2, "dr_grpo"), torch.tensor([-0.5, 0.5, -1.5, 1.5])
+    )
+    # leave-one-out: each score minus the other sample's
+    torch.testing.assert_close(core.group_advantages(scores, 2, "rloo"), torch.tensor([-1.0, 1.0, -3.0, 3.0]))
+    # three samples: 0 - (3+6)/2, 3 - (0+6)/2, 6 - (0+3)/2
+    torch.testing.assert_close(
+        core.group_advantages(torch.tensor([0.0, 3.0, 6.0]), 3, "rloo"), torch.tensor([-4.5, 0.0, 4.5])
+    )
+    assert (
+        core.group_advantages(torch.tensor([2.0, 2.0]), 2, "grpo").eq(0).all()
+    )  # no spread: no signal, no NaN
+
+
+def test_group_advantages_refuse_partial_or_single_sample_groups():
+    for rows, size in ((5, 2), (4, 1)):
+        with pytest.raises(ValueError, match="whole groups of >= 2"):
+            core.group_advantages(torch.zeros(rows), size, "rloo")
+
+
+def test_discounted_returns_worked_example_skips_masked_positions():
+    rewards = torch.tensor([[1.0, 2.0, 3.0], [1.0, 99.0, 3.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
+    # row 0: G1 = 2, G0 = 1 + 0.5 * 2; row 1: the masked 99 is never read, G2 = 3, G0 = 1 + 0.5 * 3
+    expected = torch.tensor([[2.0, 2.0, 0.0], [2.5, 0.0, 3.0]])
+    torch.testing.assert_close(core.discounted_returns(rewards, mask, gamma=0.5), expected)

@@ -292,6 +292,50 @@ def gae(
     return advantages.to(rewards.dtype), returns.to(rewards.dtype)
 
 
+GroupBaseline = Literal["grpo", "dr_grpo", "rloo"]
+
+
+def group_advantages(
+    scores: torch.Tensor, group_size: int, kind: GroupBaseline, eps: float = 1e-6
+) -> torch.Tensor:
+    """Critic-free sequence advantages from the other samples of the same prompt.
+
+    ``scores`` (B,) holds ``B / group_size`` groups of ``group_size`` consecutive rows, the samples of one
+    prompt each (a group is always whole: a statistic over a partial group would be another estimator).
+    With group mean ``m`` and unbiased standard deviation ``s`` (as TRL and OpenRLHF compute it):
+
+    - ``grpo`` (Shao et al. 2024, DeepSeekMath): ``(r_i - m) / (s + eps)``;
+    - ``dr_grpo`` (Liu et al. 2025, "Understanding R1-Zero-Like Training"): ``r_i - m``, without the std
+      division, which up-weights prompts whose samples barely differ;
+    - ``rloo`` (Kool et al. 2019; Ahmadian et al. 2024): ``r_i - mean_{j != i} r_j``
+      ``= n / (n - 1) * (r_i - m)``, the leave-one-out baseline, unbiased (it never sees ``r_i``).
+
+    Returns (B,) in ``scores``' dtype, computed in at least fp32. A group of one has no baseline: refused.
+    """
+    if group_size < 2 or scores.shape[0] % group_size:
+        raise ValueError(
+            f"group baselines need whole groups of >= 2 samples; got {scores.shape[0]} rows, groups of {group_size}"
+        )
+    dtype = torch.promote_types(scores.dtype, torch.float32)
+    grouped = scores.to(dtype).reshape(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if kind == "grpo":
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    elif kind == "rloo":
+        centred = centred * (group_size / (group_size - 1))
+    return centred.reshape(-1).to(scores.dtype)
+
+
+def discounted_returns(
+    rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
+    """``G_t = sum_{k >= 0} gamma^k r_{t+k}`` over the masked positions of each row (REINFORCE's return;
+    REINFORCE++, Hu 2025, whitens it over the whole batch, :func:`masked_whiten`, as its advantage).
+    The same recursion as :func:`gae` with no critic (``V = 0``) and ``lambda = 1``; zero outside the mask."""
+    advantages, _ = gae(rewards, torch.zeros_like(rewards), response_mask, gamma=gamma, lam=1.0)
+    return advantages
+
+
 # --------------------------------------------------------------------------------------------------
 # Losses and diagnostics
 # --------------------------------------------------------------------------------------------------
