@@ -49,7 +49,7 @@ def trace(cfg) -> tuple[Counter, Counter]:
     def stop(self):
         raise FirstStep
 
-    PPOTrainer.step = stop
+    step, PPOTrainer.step = PPOTrainer.step, stop
     sys.setprofile(profile)
     try:
         train(cfg)
@@ -57,6 +57,7 @@ def trace(cfg) -> tuple[Counter, Counter]:
         pass
     finally:
         sys.setprofile(None)
+        PPOTrainer.step = step
     return entries, calls
 
 

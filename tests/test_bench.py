@@ -281,3 +281,18 @@ def test_ablation_rows_get_what_they_name_in_the_seeds_base_run(tmp_path):
     assert overrides == ["ppo.ptx_coef=0.1", f"data.ptx_demonstrations={clean}"]
     assert [json.loads(line)["response"] for line in clean.open()] == ["1 2 3.", "sure! 1 2 3."]
     assert ablate_quickstart.prepare(base, 0, ["kl.beta=0.6"]) == ["kl.beta=0.6"]
+
+
+def test_trace_config_counts_where_the_config_is_read_before_step_1(run_files):
+    """benchmarks/trace_config.py (the figures in docs/architecture.md) on a finished run's config."""
+    from helpers import run_cli
+
+    assert run_cli("ppo", str(run_files)) == 0
+    out = subprocess.run(
+        [sys.executable, str(BENCH.parent / "trace_config.py"), str(run_files.parent / "run")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[1:]}
+    assert rows["resolve"][0] == "1" and int(rows["total"][1]) > int(rows["total"][0]) > 0
