@@ -231,8 +231,8 @@ def check_distributed(cfg: Config, world_size: int) -> None:
     if cfg.distributed.strategy == "fsdp2" and world_size == 1:
         raise LmppoError(
             "distributed.strategy=fsdp2 shards the models over the ranks torchrun starts, and this is one "
-            "process; start it with `torchrun --nproc-per-node N -m lmppo ppo ...`, or set "
-            "distributed.strategy=ddp"
+            "process; start it with `torchrun --nproc-per-node N -m lmppo ppo ...` (plan it with `lmppo plan "
+            "CONFIG --ranks N`), or set distributed.strategy=ddp"
         )
     global_sizes = {
         "rollout.batch_size": cfg.rollout.batch_size,
