@@ -6,6 +6,7 @@ Nothing is downloaded. Models are 2-layer Llamas with hidden size 32, so a forwa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -177,7 +178,10 @@ def toy_trainer(*overrides: str, models: PPOModels | None = None, **kwargs) -> P
     )
     seed_everything(cfg.run.seed)
     spec = resolve(cfg, device="cpu", world_size=kwargs.pop("world_size", 1))
-    return build_trainer(cfg, spec, models or toy_models(), PROMPTS * 4, **kwargs)
+    models = models or toy_models()
+    if spec.value is None:  # a critic-free estimator: the run has no value model
+        models = dataclasses.replace(models, value=None)
+    return build_trainer(cfg, spec, models, PROMPTS * 4, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------

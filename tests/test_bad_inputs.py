@@ -194,7 +194,9 @@ CASES = [
     Case("negative lr", "ppo.lr: Input should be greater than 0", ppo(None, "ppo.lr=-1")),
     Case("zero clip", "ppo.clip_eps", ppo(None, "ppo.clip_eps=0")),
     Case("gamma above one", "ppo.gamma", ppo(None, "ppo.gamma=2")),
-    Case("minibatch above batch", "larger than rollout.batch_size", ppo(None, "ppo.minibatch_size=64")),
+    Case(
+        "minibatch above batch", "larger than the 4 responses of a step", ppo(None, "ppo.minibatch_size=64")
+    ),
     Case("micro-batch not dividing", "must divide ppo.minibatch_size", ppo(None, "ppo.micro_batch_size=3")),
     Case("two reward sources", "set exactly one of reward.model", ppo(None, "reward.model.path=x")),
     Case("no reward source", "set exactly one of reward.model", ppo(None, "reward.function=null")),

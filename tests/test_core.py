@@ -474,3 +474,21 @@ def test_discounted_returns_worked_example_skips_masked_positions():
     # row 0: G1 = 2, G0 = 1 + 0.5 * 2; row 1: the masked 99 is never read, G2 = 3, G0 = 1 + 0.5 * 3
     expected = torch.tensor([[2.0, 2.0, 0.0], [2.5, 0.0, 3.0]])
     torch.testing.assert_close(core.discounted_returns(rewards, mask, gamma=0.5), expected)
+
+
+def test_flat_groups_marks_every_row_of_a_group_that_scored_alike():
+    flat = core.flat_groups(torch.tensor([1.0, 1.0, 0.0, 2.0, 3.0, 3.0]), 2)
+    assert flat.tolist() == [True, True, False, False, True, True]
+
+
+def test_sequence_mean_weights_make_a_token_mean_the_mean_of_the_rows_means():
+    """Rows of 1 and 3 tokens (mean length 2): weights 2 and 2/3; the token mean of w * x is the mean of
+    (4) and (1 + 2 + 3) / 3 = 2, i.e. 3, where the plain token mean is (4 + 6) / 4 = 2.5."""
+    x = torch.tensor([[4.0, 0.0, 0.0], [1.0, 2.0, 3.0]])
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    weights = core.sequence_mean_weights(mask, 2.0)
+    torch.testing.assert_close(weights[:, 0], torch.tensor([2.0, 2.0 / 3.0]))
+    assert core.masked_mean(x * weights, mask).item() == pytest.approx(3.0)
+    assert core.masked_mean(x, mask).item() == pytest.approx(2.5)
+    halved = core.sequence_mean_weights(mask, 2.0, token_weights=torch.full((2, 3), 0.5))
+    torch.testing.assert_close(halved, weights * 0.5)

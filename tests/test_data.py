@@ -128,6 +128,23 @@ def test_prompt_stream_resumes_exactly_and_shards_ranks():
         PromptStream(prompts, 3, shuffle=False, seed=0, world_size=2)
 
 
+def test_a_prompts_samples_come_in_a_row_and_stay_on_one_rank():
+    """rollout.samples_per_prompt: each prompt n times in a row; with several ranks each rank holds whole
+    groups, and together the ranks hold what one process would."""
+    prompts = [f"p{i}" for i in range(10)]
+    alone = PromptStream(prompts, 4, samples_per_prompt=3, shuffle=True, seed=3)
+    batch = alone.next_batch()
+    assert len(batch) == 12 and all(len(set(batch[i : i + 3])) == 1 for i in range(0, 12, 3))
+    assert len(set(batch)) == 4
+    ranks = [
+        PromptStream(prompts, 4, samples_per_prompt=3, shuffle=True, seed=3, rank=r, world_size=2)
+        for r in range(2)
+    ]
+    shares = [stream.next_batch() for stream in ranks]
+    assert shares[0] + shares[1] == batch and not set(shares[0]) & set(shares[1])
+    assert alone.state_dict() == ranks[0].state_dict() == {"epoch": 0, "cursor": 4}  # counted in prompts
+
+
 # --------------------------------------------------------------------------------------------------
 # Rendering: only the chat template makes control tokens
 # --------------------------------------------------------------------------------------------------

@@ -90,6 +90,8 @@ VARIANTS = {  # what the config says of the models step_models makes
     "full": (),
     "lora": ("models.policy_lora.enabled=true", "models.policy_lora.r=4", "models.policy_lora.alpha=8"),
     "shared": ("models.value.mode=shared",),
+    # 4 prompts x 2 samples (rows 2i, 2i + 1 are one group): each rank's contiguous shard holds whole groups
+    "rloo": ("ppo.advantage=rloo", "rollout.samples_per_prompt=2", f"rollout.batch_size={BATCH // 2}"),
 }
 
 
@@ -101,6 +103,8 @@ def step_models(variant: str):
         models.reference = make_reference(models.policy)
     if variant == "shared":
         models.value = ValueModel.shared_trunk(models.policy)
+    if variant == "rloo":
+        models.value = None
     return models
 
 
@@ -140,7 +144,9 @@ def ppo_step(rank: int, world: int, rollout, overrides=(), variant="full") -> di
             for k, p in trainer.policy.named_parameters()
             if p.requires_grad
         },
-        "value_head": full_tensor(trainer.value_model.head.weight.detach()).clone(),
+        "value_head": None
+        if trainer.value_model is None
+        else full_tensor(trainer.value_model.head.weight.detach()).clone(),
         "trained_state_bytes": trained_state_bytes(trainer.optimizer),
     }
 
@@ -169,8 +175,20 @@ TOKEN_BUDGET = ("ppo.micro_batch_size=null", "ppo.micro_batch_tokens=40")
         ((FSDP2, *TOKEN_BUDGET), "full"),  # unequal micro-batch counts: padded to the same number
         ((FSDP2,), "lora"),
         ((FSDP2,), "shared"),
+        # rows move between ranks after the groups' advantages are fixed; sequence means over all ranks' rows
+        ((*TOKEN_BUDGET, "ppo.loss_aggregation=sequence_mean"), "rloo"),
+        ((FSDP2,), "rloo"),
     ],
-    ids=["ddp", "ddp-token-budget", "fsdp2", "fsdp2-token-budget", "fsdp2-lora", "fsdp2-shared-trunk"],
+    ids=[
+        "ddp",
+        "ddp-token-budget",
+        "fsdp2",
+        "fsdp2-token-budget",
+        "fsdp2-lora",
+        "fsdp2-shared-trunk",
+        "ddp-token-budget-rloo-sequence-mean",
+        "fsdp2-rloo",
+    ],
 )
 def test_two_ranks_take_the_same_step_as_one_process(tmp_path, overrides, variant):
     rollout = fixed_global_rollout(tmp_path)
@@ -181,15 +199,22 @@ def test_two_ranks_take_the_same_step_as_one_process(tmp_path, overrides, varian
         mp.spawn(_rank_worker, args=(2, port, rollout, results, overrides, variant), nprocs=2, join=True)
         ranks = [results[0], results[1]]
 
-    # Whitened advantages: global mean and std over both ranks' response tokens, no padding.
+    # Advantages as one process computes them. GAE's are whitened with global mean and std over both
+    # ranks' response tokens, no padding; the group baseline's are each group's own, whole on one rank.
+    critic = variant != "rloo"  # a critic-free run logs no value metrics at all
     mask = alone["response_mask"].bool()
     together = torch.cat([r["advantages"] for r in ranks])
     torch.testing.assert_close(together[mask], alone["advantages"][mask], atol=1e-5, rtol=1e-5)
-    assert abs(together[mask].mean().item()) < 1e-5 and together[mask].std(
-        unbiased=False
-    ).item() == pytest.approx(1, abs=1e-4)
+    assert together[mask].abs().max() > 0.01  # a signal to compare
+    if critic:
+        assert abs(together[mask].mean().item()) < 1e-5 and together[mask].std(
+            unbiased=False
+        ).item() == pytest.approx(1, abs=1e-4)
     # Losses and statistics: global token means, the same on both ranks and equal to one process's.
-    for key in GLOBAL_METRICS:
+    assert all(
+        (key in alone["metrics"]) == (critic or not key.startswith("value/")) for key in GLOBAL_METRICS
+    )
+    for key in (key for key in GLOBAL_METRICS if key in alone["metrics"]):
         assert ranks[0]["metrics"][key] == ranks[1]["metrics"][key], key
         assert ranks[0]["metrics"][key] == pytest.approx(alone["metrics"][key], rel=1e-4, abs=1e-6), key
     sharded = FSDP2 in overrides
@@ -203,7 +228,8 @@ def test_two_ranks_take_the_same_step_as_one_process(tmp_path, overrides, varian
         assert torch.equal(ranks[0]["policy"][name], ranks[1]["policy"][name]), name
         assert (weight - start[name]).abs().max().item() > 0, f"{name} did not train"
         torch.testing.assert_close(ranks[0]["policy"][name], weight, atol=1e-4 * 1e-2, rtol=0, msg=name)
-    torch.testing.assert_close(ranks[0]["value_head"], alone["value_head"], atol=1e-6, rtol=0)
+    if critic:
+        torch.testing.assert_close(ranks[0]["value_head"], alone["value_head"], atol=1e-6, rtol=0)
     # What training keeps (weights, gradients, Adam's moments): FSDP2 holds half of it on each of 2 ranks.
     held = ranks[0]["trained_state_bytes"] / alone["trained_state_bytes"]
     assert held == pytest.approx(0.5, abs=0.02) if sharded else held == 1.0

@@ -128,3 +128,23 @@ def test_the_plan_and_the_built_models_agree_on_every_role(
     assert models.value.shared_trunk == (spec.value.shares == "policy")
     assert models.identities["value"]["init_from"] == (spec.value.init_from or "policy")
     assert (models.identities["reference"]["shared_with"] == "policy") == (spec.reference.source is None)
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+def test_a_critic_free_run_plans_builds_and_records_no_value_model(run_files, monkeypatch, advantage):
+    def no_critic(*args, **kwargs):
+        raise AssertionError("a critic-free run built a value model")
+
+    cfg = load_config(run_files, [f"ppo.advantage={advantage}", "rollout.samples_per_prompt=2"])
+    with_critic = memory_plan(load_config(run_files, ["rollout.samples_per_prompt=2"]), device="cpu")
+    spec = resolve(cfg, device="cpu")
+    assert spec.value is None and not spec.values_from_decode
+    assert spec.whiten_advantages == (advantage == "reinforce_pp")
+    plan = memory_plan(cfg, spec=spec)
+    assert [row.role for row in plan.models] == ["policy", "reference", "reward"]
+    assert plan.static < with_critic.static  # the critic's weights, gradients and Adam moments are gone
+    monkeypatch.setattr("lmppo.models.make_value_model", no_critic)
+    monkeypatch.setattr("lmppo.build.make_value_model", no_critic)
+    models = load_models(cfg, spec)
+    assert models.value is None and "value" not in models.identities
+    assert models.trained == [models.policy]

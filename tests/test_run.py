@@ -85,23 +85,27 @@ def policy_tensors(run_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "lora, ppo, run",
+    "lora, sections",
     [
-        (False, {}, {}),
-        (True, {}, {}),
-        (True, {"gradient_checkpointing": True, "critic_warmup_steps": 3}, {}),
-        (False, {}, {"precision": "bf16"}),
+        (False, {}),
+        (True, {}),
+        (True, {"ppo": {"gradient_checkpointing": True, "critic_warmup_steps": 3}}),
+        (False, {"run": {"precision": "bf16"}}),
+        (False, {"ppo": {"advantage": "grpo"}, "rollout": {"batch_size": 2, "samples_per_prompt": 3}}),
     ],
-    ids=["full", "lora", "lora-checkpointed-critic-warmup", "bf16"],  # the third is split inside its warmup
+    # the third is split inside its warmup; the last has no critic and samples 3 responses per prompt
+    ids=["full", "lora", "lora-checkpointed-critic-warmup", "bf16", "grpo-groups"],
 )
-def test_resume_is_exact(run_files, lora, ppo, run):
+def test_resume_is_exact(run_files, lora, sections):
     """N steps in one go == k steps, stop, resume for N-k: same metrics, bit-identical weights."""
     models = {"policy_lora": {"enabled": True, "r": 4, "alpha": 8}} if lora else {}
     straight = write_config(
         run_files,
-        run={"steps": 4, "output_dir": str(run_files.parent / "straight"), **run},
-        models={**yaml.safe_load(run_files.read_text())["models"], **models},
-        ppo=ppo,
+        **{
+            **sections,
+            "run": {"steps": 4, "output_dir": str(run_files.parent / "straight"), **sections.get("run", {})},
+            "models": {**yaml.safe_load(run_files.read_text())["models"], **models},
+        },
     )
     assert run_cli("ppo", str(straight)) == 0
     split = write_config(straight, run={"steps": 2, "output_dir": str(run_files.parent / "split")})
@@ -115,8 +119,11 @@ def test_resume_is_exact(run_files, lora, ppo, run):
     assert all(torch.equal(tensors_a[k], tensors_b[k]) for k in tensors_a)
     if lora:
         assert all("lora_" in k for k in tensors_a)  # the adapter alone is saved
-    value_a, value_b = (load_checkpoint(latest_checkpoint(d)).tensors["value"] for d in (a, b))
-    assert all(torch.equal(value_a[k], value_b[k]) for k in value_a)
+    saved_a, saved_b = (load_checkpoint(latest_checkpoint(d)).tensors for d in (a, b))
+    if "advantage" in sections.get("ppo", {}):  # critic-free: nothing of a critic is saved or logged
+        assert "value" not in saved_a and not any(k.startswith("value/") for r in read_metrics(a) for k in r)
+        return
+    assert all(torch.equal(saved_a["value"][k], saved_b["value"][k]) for k in saved_a["value"])
 
 
 def test_a_plain_run_evaluates_held_out_prompts_every_n_steps_and_resumes_exactly_across_one(run_files):

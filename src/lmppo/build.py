@@ -144,10 +144,10 @@ def load_models(cfg: Config, spec: RunSpec) -> PPOModels:
     policy = load_policy(spec.policy, device)
     reference = load_reference(spec.reference, policy, device)
     reward = load_reward(cfg.reward, spec.rewards, device)
-    value = load_value_model(spec.value, policy, reward, tokenizer, device)
+    value = load_value_model(spec.value, policy, reward, tokenizer, device) if spec.value else None
     if cfg.ppo.gradient_checkpointing:
         enable_gradient_checkpointing(policy)
-        if not value.shared_trunk:
+        if value is not None and not value.shared_trunk:
             enable_gradient_checkpointing(value)
     reference_source = resolve_source(spec.reference.source) if spec.reference.source else policy_source
     template = cfg.models.policy.chat_template
@@ -164,11 +164,11 @@ def load_models(cfg: Config, spec: RunSpec) -> PPOModels:
             shared_with=None if spec.reference.source else "policy",
         ).to_dict(),
         "reward": reward.identity,
-        "value": model_identity(
-            "value", value, shared_with="policy" if value.shared_trunk else None
-        ).to_dict(),
     }
-    identities["value"]["init_from"] = spec.value.init_from or "policy"
+    if value is not None:  # a critic-free run records no critic
+        shared_with = "policy" if value.shared_trunk else None
+        identities["value"] = model_identity("value", value, shared_with=shared_with).to_dict()
+        identities["value"]["init_from"] = spec.value.init_from or "policy"
     return PPOModels(policy, reference, value, tokenizer, reward.reward, identities)
 
 
@@ -229,16 +229,13 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
 
 
 def build_optimizer(ppo: PPOConfig, models: PPOModels) -> torch.optim.Optimizer:
-    """AdamW over the policy's trained parameters and the critic's own (with a shared trunk: the head)."""
-    policy_ids = {id(p) for p in models.policy.parameters()}
-    groups = [
-        {"params": trainable_parameters(models.policy), "lr": ppo.lr, "name": "policy"},
-        {
-            "params": [p for p in trainable_parameters(models.value) if id(p) not in policy_ids],
-            "lr": ppo.value_lr or ppo.lr,
-            "name": "value",
-        },
-    ]
+    """AdamW over the policy's trained parameters and the critic's own (with a shared trunk: the head);
+    a critic-free run has the policy's group alone."""
+    groups = [{"params": trainable_parameters(models.policy), "lr": ppo.lr, "name": "policy"}]
+    if models.value is not None:
+        policy_ids = {id(p) for p in models.policy.parameters()}
+        value_params = [p for p in trainable_parameters(models.value) if id(p) not in policy_ids]
+        groups.append({"params": value_params, "lr": ppo.value_lr or ppo.lr, "name": "value"})
     # fused: one kernel per step instead of a dozen foreach passes over every parameter (as TRL's default)
     return torch.optim.AdamW(groups, weight_decay=ppo.weight_decay, eps=ppo.adam_eps, fused=True)
 
@@ -284,13 +281,14 @@ def build_trainer(
     and its schedule, the KL controller and the reward with its preprocessing."""
     # Dropout stays off for the whole run (as in TRL): the stored log-probs and values and the
     # update's first forward then agree exactly, so the first ratio is 1. Gradients still flow.
-    for model in (models.policy, models.value):
+    for model in models.trained:
         model.eval()
     train_module, comm_counter = build_update_module(spec, models, group)
     generator = generator or build_generator(cfg, spec, models)
     prompt_stream = PromptStream(
         prompts,
         cfg.rollout.batch_size,
+        samples_per_prompt=cfg.rollout.samples_per_prompt,
         shuffle=cfg.data.shuffle,
         seed=cfg.run.seed,
         rank=rank,

@@ -65,6 +65,7 @@ RESUMABLE_KEYS = (
 FIXED_KEYS = (
     "config.models.policy_lora",
     "config.models.value",
+    "config.ppo.advantage",  # a critic would appear or vanish
     *(
         f"identities.{role}.{field}"
         for role in ("policy", "value")

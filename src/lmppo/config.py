@@ -200,6 +200,12 @@ class RolloutConfig(Section):
         "every linear in decode (docs/engines.md: measured slower on CPU)",
     )
     batch_size: int = Field(16, gt=0, description="prompts per PPO step (global, all ranks)")
+    samples_per_prompt: int = Field(
+        1,
+        gt=0,
+        description="responses sampled per prompt, one group: the rank that holds a prompt samples all of "
+        "them, so group baselines (ppo.advantage=grpo, dr_grpo, rloo) always see whole groups",
+    )
     max_new_tokens: int = Field(32, gt=0)
     temperature: float = Field(1.0, gt=0)
     top_k: int = Field(0, ge=0, description="0 = off")
@@ -222,6 +228,11 @@ class RolloutConfig(Section):
         "grouped by length, at most this many query + response positions each (padding included)",
     )
 
+    @property
+    def responses_per_step(self) -> int:
+        """Sequences sampled per PPO step, all ranks: the rows ``ppo.minibatch_size`` counts in."""
+        return self.batch_size * self.samples_per_prompt
+
     @model_validator(mode="after")
     def _one_forward_batching(self) -> RolloutConfig:
         if self.forward_batch_size is not None and self.forward_batch_tokens is not None:
@@ -231,9 +242,20 @@ class RolloutConfig(Section):
         return self
 
 
+Advantage = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
+GROUP_BASELINES = ("grpo", "dr_grpo", "rloo")  # need rollout.samples_per_prompt >= 2
+
+
 class PPOConfig(Section):
+    advantage: Advantage = Field(
+        "gae",
+        description="gae: a critic's values and GAE; critic-free (no value model at all): grpo = the group's "
+        "mean and std as baseline, dr_grpo = the group's mean only, rloo = the mean of the other samples "
+        "of the prompt, reinforce_pp = REINFORCE++'s KL-shaped returns whitened over the batch "
+        "(docs/core.md)",
+    )
     ppo_epochs: int = Field(4, gt=0)
-    minibatch_size: int = Field(16, gt=0)
+    minibatch_size: int = Field(16, gt=0, description="responses per optimizer step (global, all ranks)")
     micro_batch_size: int | None = Field(None, gt=0, description="gradient accumulation inside a minibatch")
     micro_batch_tokens: int | None = Field(
         None,
@@ -278,6 +300,12 @@ class PPOConfig(Section):
         "separate critic): far less activation memory for about one more forward pass",
     )
     ptx_batch_size: int = Field(8, gt=0)
+    loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
+        "token_mean",
+        description="how the policy's per-token loss (and kl.in_loss's term) is averaged over a minibatch: "
+        "token_mean = every response token weighs the same, so a long response weighs more; sequence_mean "
+        "= each response's own token mean, then the mean over responses (GRPO's paper)",
+    )
 
     @model_validator(mode="after")
     def _micro_batches_divide(self) -> PPOConfig:
@@ -293,7 +321,14 @@ class PPOConfig(Section):
 
 
 class KLConfig(Section):
-    estimator: Literal["k1", "k2", "k3"] = "k1"
+    estimator: Literal["k1", "k2", "k3"] = Field(
+        "k1", description="per-token KL estimator of the reward's penalty and the logged kl/ref"
+    )
+    in_loss: bool = Field(
+        False,
+        description="GRPO's placement: the KL to the reference is a loss term, beta x the k3 estimate per "
+        "token (reward/kl_penalty becomes policy/kl_loss), instead of -beta x KL in the reward",
+    )
     beta: float = Field(0.05, ge=0, description="initial (or fixed) KL coefficient")
     adaptive: bool = False
     target: float = Field(6.0, gt=0, description="per-sequence KL the adaptive controller steers to")
@@ -491,10 +526,34 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _batches_fit(self) -> Config:
-        if self.ppo.minibatch_size > self.rollout.batch_size:
+        responses = self.rollout.responses_per_step
+        if self.ppo.minibatch_size > responses:
             raise ValueError(
-                f"ppo.minibatch_size={self.ppo.minibatch_size} is larger than rollout.batch_size="
-                f"{self.rollout.batch_size}; it must be at most the batch"
+                f"ppo.minibatch_size={self.ppo.minibatch_size} is larger than the {responses} responses of a "
+                f"step (rollout.batch_size={self.rollout.batch_size} x rollout.samples_per_prompt="
+                f"{self.rollout.samples_per_prompt}); it must be at most that"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _critic_free_fits(self) -> Config:
+        advantage, n = self.ppo.advantage, self.rollout.samples_per_prompt
+        if advantage in GROUP_BASELINES and n < 2:
+            raise ValueError(
+                f"ppo.advantage={advantage} compares the samples of one prompt, and rollout.samples_per_prompt"
+                f"={n} draws one; set rollout.samples_per_prompt to 2 or more (4-16 is usual)"
+            )
+        if advantage == "gae":
+            return self
+        if self.rollout.truncation == "bootstrap":
+            raise ValueError(
+                f"rollout.truncation=bootstrap values a truncated row by the critic, and ppo.advantage="
+                f"{advantage} has none; set rollout.truncation=terminal or ppo.advantage=gae"
+            )
+        if self.ppo.critic_warmup_steps:
+            raise ValueError(
+                f"ppo.critic_warmup_steps trains the critic alone, and ppo.advantage={advantage} has none; "
+                "remove it or set ppo.advantage=gae"
             )
         return self
 

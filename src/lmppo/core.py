@@ -326,6 +326,14 @@ def group_advantages(
     return centred.reshape(-1).to(scores.dtype)
 
 
+def flat_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) bool: the row's group (``group_size`` consecutive rows) scored all alike, so every group baseline
+    gives its samples zero advantage and the prompt teaches nothing this step."""
+    grouped = scores.reshape(-1, group_size)
+    flat = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+    return flat.expand_as(grouped).reshape(-1)
+
+
 def discounted_returns(
     rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
 ) -> torch.Tensor:
@@ -368,6 +376,20 @@ def ppo_clip_loss(
     loss = masked_mean(surrogate, response_mask)
     clip_frac = masked_mean(((ratio - 1.0).abs() > clip_eps).float(), response_mask)
     return loss, clip_frac.detach()
+
+
+def sequence_mean_weights(
+    response_mask: torch.Tensor, mean_length: torch.Tensor | float, token_weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(B, L) weights that turn a token mean into a sequence mean: ``mean_length / len_b`` on row ``b``.
+
+    With ``mean_length`` the minibatch's tokens per row (all ranks: ``T / N``), the token mean of
+    ``w * x`` is ``sum_b sum_t x_bt / (N len_b)``, the mean over rows of each row's own token mean, so
+    every response weighs the same whatever its length. Multiplied into ``token_weights`` when given.
+    """
+    lengths = response_mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    weights = (mean_length / lengths).expand_as(response_mask)
+    return weights if token_weights is None else weights * token_weights
 
 
 def truncated_importance_weights(

@@ -251,7 +251,8 @@ class PromptStream:
     """Batches of prompts, reshuffled each epoch from ``seed + epoch``; resumable from ``(epoch, cursor)``.
 
     With several ranks every rank walks the same global order and takes its own slice of each global
-    batch, so the union over ranks of one step is the batch a single process would take.
+    batch, so the union over ranks of one step is the batch a single process would take. Each prompt
+    comes ``samples_per_prompt`` times in a row: one group, always on one rank.
     """
 
     def __init__(
@@ -259,6 +260,7 @@ class PromptStream:
         prompts: list[Prompt],
         batch_size: int,
         *,
+        samples_per_prompt: int = 1,
         shuffle: bool,
         seed: int,
         rank: int = 0,
@@ -269,6 +271,7 @@ class PromptStream:
         if batch_size > len(prompts):
             raise LmppoError(f"rollout.batch_size={batch_size} is larger than the {len(prompts)} prompts")
         self.prompts, self.batch_size, self.shuffle, self.seed = prompts, batch_size, shuffle, seed
+        self.samples_per_prompt = samples_per_prompt
         self.rank, self.world_size = rank, world_size
         self.epoch, self.cursor = 0, 0
 
@@ -280,13 +283,15 @@ class PromptStream:
         ).tolist()
 
     def next_batch(self) -> list[Prompt]:
-        """This rank's share of the next global batch (a short tail of an epoch is skipped)."""
+        """This rank's share of the next global batch, each prompt repeated ``samples_per_prompt`` times
+        in a row (a short tail of an epoch is skipped)."""
         if self.cursor + self.batch_size > len(self.prompts):
             self.epoch, self.cursor = self.epoch + 1, 0
         order = self._order()[self.cursor : self.cursor + self.batch_size]
         self.cursor += self.batch_size
         per_rank = self.batch_size // self.world_size
-        return [self.prompts[i] for i in order[self.rank * per_rank : (self.rank + 1) * per_rank]]
+        mine = order[self.rank * per_rank : (self.rank + 1) * per_rank]
+        return [self.prompts[i] for i in mine for _ in range(self.samples_per_prompt)]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "cursor": self.cursor}

@@ -273,7 +273,7 @@ def shard_models(
     spec: RunSpec,
     group: dist.ProcessGroup,
     policy: nn.Module,
-    value: nn.Module,
+    value: nn.Module | None,
     frozen: list[tuple[RoleSpec, nn.Module]],
 ) -> CommCounter:
     """FSDP2 (``spec.sharded``): split the run's models over the ranks, in place, one unit per decoder
@@ -283,6 +283,16 @@ def shard_models(
     role says so (``distributed.shard_frozen``) and keeps its dtype."""
     counter, mesh = CommCounter(), device_mesh(group)
     fully_shard_model(policy, decoder_layers(policy), mesh, counter, compute_dtype=spec.compute_dtype)
+    if value is not None:
+        _shard_critic(spec, mesh, counter, policy, value)
+    for role, model in frozen:
+        if role.shards > 1:
+            fully_shard_model(model, decoder_layers(model), mesh, counter)
+    return counter
+
+
+def _shard_critic(spec: RunSpec, mesh, counter: CommCounter, policy: nn.Module, value: nn.Module) -> None:
+    """The critic's units: its own layers, or only its fp32 head on the policy's (already sharded) trunk."""
     fully_shard_model(
         value,
         [] if value.shared_trunk else decoder_layers(value),
@@ -296,10 +306,6 @@ def shard_models(
         with torch.no_grad():  # one token through the policy, before any value pass enters at the trunk
             policy(input_ids=torch.zeros(1, 1, dtype=torch.long, device=spec.device))
         policy.reshard()
-    for role, model in frozen:
-        if role.shards > 1:
-            fully_shard_model(model, decoder_layers(model), mesh, counter)
-    return counter
 
 
 @contextlib.contextmanager

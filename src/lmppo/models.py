@@ -230,14 +230,20 @@ def _zero_head(backbone: nn.Module, hidden_size: int) -> nn.Linear:
 
 @dataclass
 class PPOModels:
-    """The four models of a run (the reward is learned RMs and programs combined, or one function)."""
+    """The four models of a run (the reward is learned RMs and programs combined, or one function); a
+    critic-free run (``ppo.advantage`` other than gae) has no value model."""
 
     policy: nn.Module
     reference: nn.Module
-    value: nn.Module
+    value: ValueModel | None
     tokenizer: object
     reward: Callable  # a lmppo.scoring.CombinedReward when built from the config
     identities: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def trained(self) -> list[nn.Module]:
+        """The models the optimizer steps: the policy, and the critic when there is one."""
+        return [self.policy, *([self.value] if self.value is not None else [])]
 
     @property
     def reward_models(self) -> list[nn.Module]:

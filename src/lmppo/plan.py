@@ -228,6 +228,8 @@ def model_rows(cfg: Config, spec: RunSpec) -> tuple[list[ModelRow], dict[str, Sh
         if first_reward_model is None:
             first_reward_model, first_reward_shape = frozen, shapes[role.role]
 
+    if spec.value is None:  # a critic-free estimator: no row, no memory
+        return rows, shapes, max(conversions)
     value = make_value_model(spec.value, policy, first_reward_model)
     if spec.value.shares:  # the head alone is the critic's own
         rows.append(_row(spec.value, *_counts(value.head)))
@@ -271,7 +273,7 @@ def phase_bytes(
     """Bytes of the rollout, the stored passes and the update on one rank, and how each was sized."""
     act = 2 if precision == "bf16" else 4
     policy, critic = shapes["policy"], shapes.get("value")
-    batch = max(cfg.rollout.batch_size // world_size, 1)
+    batch = max(cfg.rollout.responses_per_step // world_size, 1)
     response = cfg.rollout.max_new_tokens
     length = prompt_tokens + response
     by_role = {row.role: row for row in rows}
@@ -308,7 +310,7 @@ def phase_bytes(
         how = f"micro-batches of {rows_per_micro} x {length} tokens"
     checkpointing = cfg.ppo.gradient_checkpointing
     saved = tokens * policy.saved_per_token(act, checkpointing)
-    if critic is not None and cfg.models.value.mode == "separate":
+    if critic is not None:  # a separate critic (a shared one is the policy's trunk)
         saved += tokens * critic.saved_per_token(act, checkpointing)
     logits = tokens * response // length * policy.vocab * (act + LOGIT_BYTES)
     trained = sum(row.trained for row in rows)
@@ -359,18 +361,18 @@ def _gathered_bytes(
     """Under FSDP2: the rollout and the stored passes plus the model they gather whole (the policy; the
     largest of reference, reward model and critic, one at a time), and the update's gathers: two layers
     at once (one prefetched) and the root unit (embeddings, head), with one layer's fp32 gradients."""
-    policy, value = by_role["policy"], by_role["value"]
-    shared = cfg.models.value.mode == "shared"
-    passes = [value.gathered(act) + (policy.gathered(act) if shared else 0)]
+    policy, value = by_role["policy"], by_role.get("value")
+    shared = value is not None and "value" not in shapes  # only a separate critic has a shape of its own
+    passes = [value.gathered(act) + (policy.gathered(act) if shared else 0)] if value else []
     frozen = [row for role, row in by_role.items() if role == "reference" or role.startswith("reward")]
     passes += [row.gathered(act) for row in frozen if row.shards > 1]
     update = 0
-    for role in ("policy",) if shared else ("policy", "value"):
+    for role in ("policy",) if shared or value is None else ("policy", "value"):
         shape = shapes[role]
         root = min(2 * shape.vocab * shape.hidden, by_role[role].parameters)
         layer = (by_role[role].parameters - root) // max(shape.layers, 1)
         update += (2 * layer + root) * act + layer * 4
-    return rollout + policy.gathered(act), stored + max(passes), update
+    return rollout + policy.gathered(act), stored + max(passes, default=0), update
 
 
 # --------------------------------------------------------------------------------------------------
@@ -451,8 +453,10 @@ def remedies(cfg: Config, plan: MemoryPlan) -> list[tuple[str, int]]:
         candidates.append("run.precision=bf16")
     if not cfg.ppo.gradient_checkpointing:
         candidates.append("ppo.gradient_checkpointing=true")
-    if cfg.models.value.mode == "separate" and not cfg.models.value.lora.enabled:
-        candidates.append("models.value.mode=shared")
+    if cfg.ppo.advantage == "gae":  # the seeds' first rung: cut the critic
+        candidates.append("ppo.advantage=reinforce_pp")
+        if cfg.models.value.mode == "separate" and not cfg.models.value.lora.enabled:
+            candidates.append("models.value.mode=shared")
     if plan.world_size > 1 and cfg.distributed.strategy == "ddp":
         candidates.append("distributed.strategy=fsdp2")
     update_tokens = plan.phases["update"]

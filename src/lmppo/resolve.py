@@ -68,7 +68,9 @@ class RunSpec:
     policy: RoleSpec
     reference: RoleSpec
     rewards: tuple[RoleSpec, ...]  # one per reward component, in the config's order
-    value: RoleSpec
+    value: RoleSpec | None  # None: a critic-free advantage (ppo.advantage), no value model at all
+    advantage: str  # ppo.advantage
+    whiten_advantages: bool  # GAE and REINFORCE++ as ppo.whiten_advantages says; group baselines never
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -77,7 +79,7 @@ class RunSpec:
 
     @property
     def roles(self) -> list[RoleSpec]:
-        return [self.policy, self.reference, *self.rewards, self.value]
+        return [self.policy, self.reference, *self.rewards, *([self.value] if self.value else [])]
 
 
 def resolve(
@@ -95,6 +97,7 @@ def resolve(
     frozen_shards = world_size if sharded and cfg.distributed.shard_frozen else 1
     policy = policy_role(cfg, precision, trained_shards)
     rewards = reward_roles(cfg.reward, precision, frozen_shards)
+    critic = cfg.ppo.advantage == "gae"
     return RunSpec(
         device=device,
         precision=precision,
@@ -103,11 +106,17 @@ def resolve(
         sharded=sharded,
         sharded_checkpoints=sharded and cfg.distributed.checkpoint == "sharded",
         # under FSDP2 the head is sharded with the trunk, so the trainer's gathered values pass stays
-        values_from_decode=cfg.models.value.mode == "shared" and not sharded and cfg.rollout.engine == "hf",
+        values_from_decode=critic
+        and cfg.models.value.mode == "shared"
+        and not sharded
+        and cfg.rollout.engine == "hf",
         policy=policy,
         reference=reference_role(cfg, precision, policy, frozen_shards),
         rewards=rewards,
-        value=value_role(cfg, policy, rewards, trained_shards),
+        value=value_role(cfg, policy, rewards, trained_shards) if critic else None,
+        advantage=cfg.ppo.advantage,
+        # a group baseline is already on the group's scale (Dr. GRPO drops exactly that division)
+        whiten_advantages=cfg.ppo.whiten_advantages and cfg.ppo.advantage in ("gae", "reinforce_pp"),
     )
 
 

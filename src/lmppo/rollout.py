@@ -285,19 +285,22 @@ def value_predictions(
 
 
 class PolicyAndValue(nn.Module):
-    """The trained networks behind one ``forward``: (B, R, V) tempered response logits and (B, R) values.
+    """The trained networks behind one ``forward``: (B, R, V) tempered response logits and (B, R) values
+    (None without a critic).
 
     One module so that data parallelism wraps one forward and one set of parameters: DDP then syncs the
     policy's and the critic's gradients in the same backward, and a shared trunk is synced once.
     """
 
-    def __init__(self, policy: nn.Module, value_model: ValueModel) -> None:
+    def __init__(self, policy: nn.Module, value_model: ValueModel | None) -> None:
         super().__init__()
         self.policy, self.value_model = policy, value_model
         self.checkpointed = checkpointed_layers(self)  # ppo.gradient_checkpointing: recomputed in backward
 
-    def forward(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor | None]:
         with checkpointing(self.checkpointed):
+            if self.value_model is None:
+                return response_logits(self.policy, batch), None
             if self.value_model.shared_trunk:
                 return policy_logits_and_values(self.policy, self.value_model, batch)
             return response_logits(self.policy, batch), state_values(self.value_model, batch)[:, :-1]

@@ -30,6 +30,7 @@ class TokenMeans:
     value_loss: float = 0.0
     value_clip_frac: float = 0.0
     logp_gap: float = 0.0  # |logp_new - the sampler's logp_old|: before any update, engine vs trainer
+    kl_loss: float = 0.0  # kl.in_loss: the k3 estimate of KL(new || reference) per token
 
     def add(self, other: TokenMeans, weight: float) -> None:
         for f in fields(self):
@@ -42,7 +43,7 @@ class MinibatchResult:
 
     means: TokenMeans
     policy_grad_norm: float
-    value_grad_norm: float
+    value_grad_norm: float | None  # None without a critic
     ratio_max: float
     finite: bool  # both gradient norms finite: the step was applied
     ptx_loss: float | None = None
@@ -75,9 +76,11 @@ class RewardEstimates:
     rm_score: torch.Tensor  # (B,) the score used (preprocessed; 0 on unfinished rows under bootstrap)
     rewards: torch.Tensor  # (B, R) shaped
     kl_per_token: torch.Tensor  # (B, R) 0 off the response
-    beta: float
+    beta: float  # the KL coefficient in the rewards
     adv_mean: float  # before whitening
     adv_std: float
+    flat_groups: torch.Tensor | None = None  # (B,) bool, group baselines: the row's group scored alike
+    kl_in_reward: bool = True  # False under kl.in_loss: the update's loss carries it (policy/kl_loss)
 
 
 def rollout_metrics(
@@ -93,28 +96,35 @@ def rollout_metrics(
     mask, e = rollout.response_mask, estimates
     per_row = {
         "reward/rm_score": rm_score_raw,
-        "reward/kl_penalty": -e.beta * e.kl_per_token.sum(1),
         "reward/shaped": e.rewards.sum(1),
         "kl/ref": e.kl_per_token.sum(1),
         "response/length": mask.sum(1),
         "response/eos_frac": rollout.terminated.float(),
         "response/truncated_frac": (~rollout.terminated).float(),
     }
+    if e.kl_in_reward:
+        per_row["reward/kl_penalty"] = -e.beta * e.kl_per_token.sum(1)
+    if e.flat_groups is not None:  # no learning signal from a group whose samples all scored the same
+        per_row["adv/flat_group_frac"] = e.flat_groups.float()
     if component_rows is not None:
         per_row["reward/rm_score_used"] = e.rm_score
         per_row.update(component_rows)
     every_row = torch.ones(1, len(rollout), device=mask.device)
     metrics = {key: core.masked_mean(value[None], every_row, group).item() for key, value in per_row.items()}
-    return metrics | {
+    metrics |= {
         "adv/mean": e.adv_mean,
         "adv/std": e.adv_std,
-        "value/explained_var": core.explained_variance(rollout.values, rollout.returns, mask, group).item(),
         "lag/rollout_age_s": time.time() - rollout.created_at,
         "health/nonfinite": nonfinite_count(rm_score_raw, rollout.logp_ref, rollout.values, mask, group),
     }
+    if rollout.values is not None:  # a critic-free run logs no value metrics rather than zeros
+        metrics["value/explained_var"] = core.explained_variance(
+            rollout.values, rollout.returns, mask, group
+        ).item()
+    return metrics
 
 
-def update_metrics(totals: TokenMeans, results: list[MinibatchResult]) -> dict[str, float]:
+def update_metrics(totals: TokenMeans, results: list[MinibatchResult], kl_in_loss: bool) -> dict[str, float]:
     """The update's metrics: each statistic's mean over its optimiser steps."""
     n = len(results)
     mean = TokenMeans(*(value / n for value in astuple(totals)))
@@ -125,26 +135,21 @@ def update_metrics(totals: TokenMeans, results: list[MinibatchResult]) -> dict[s
         "policy/entropy": mean.entropy,
         "policy/ratio_mean": mean.ratio_mean,
         "policy/ratio_std": math.sqrt(max(mean.ratio_sq - mean.ratio_mean**2, 0.0)),
-        "value/loss": mean.value_loss,
-        "value/clip_frac": mean.value_clip_frac,
         "policy/grad_norm": sum(r.policy_grad_norm for r in results) / n,
-        "value/grad_norm": sum(r.value_grad_norm for r in results) / n,
     }
+    if results[0].value_grad_norm is not None:  # a critic-free run logs no value metrics rather than zeros
+        metrics["value/loss"] = mean.value_loss
+        metrics["value/clip_frac"] = mean.value_clip_frac
+        metrics["value/grad_norm"] = sum(r.value_grad_norm for r in results) / n
+    if kl_in_loss:
+        metrics["policy/kl_loss"] = mean.kl_loss
     if results[0].ptx_loss is not None:
         metrics["ptx/loss"] = sum(r.ptx_loss for r in results) / n
     return metrics
 
 
 def nonfinite_count(rm_score_raw, logp_ref, values, mask, group) -> float:
-    """Non-finite scores, reference log-probs and values (on response tokens) over all ranks' rows."""
-    return all_sum(
-        sum(
-            (~torch.isfinite(t)).sum().double()
-            for t in (
-                rm_score_raw,
-                torch.where(mask.bool(), logp_ref, 0.0),
-                torch.where(mask.bool(), values, 0.0),
-            )
-        ),
-        group,
-    ).item()
+    """Non-finite scores, reference log-probs and values if any (on response tokens) over all ranks' rows."""
+    per_token = [t for t in (logp_ref, values) if t is not None]
+    checked = [rm_score_raw, *(torch.where(mask.bool(), t, 0.0) for t in per_token)]
+    return all_sum(sum((~torch.isfinite(t)).sum().double() for t in checked), group).item()

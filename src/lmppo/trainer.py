@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lmppo import core
+from lmppo.advantages import fill_advantages
 from lmppo.config import Config
 from lmppo.data import PromptStream
 from lmppo.distributed import (
@@ -38,7 +39,6 @@ from lmppo.scoring import CombinedReward
 from lmppo.step_results import (
     Estimates,
     MinibatchResult,
-    RewardEstimates,
     TokenMeans,
     UpdateResult,
     rollout_metrics,
@@ -122,7 +122,7 @@ class PPOTrainer:
 
             # 5. KL controller, fed the global mean per-sequence KL and stepped once per sample.
             beta = self.kl_controller.value
-            self.kl_controller.update(estimates.kl_ref, n_steps=cfg.rollout.batch_size)
+            self.kl_controller.update(estimates.kl_ref, n_steps=cfg.rollout.responses_per_step)
             self.scheduler.step()
             self.step_count += 1
         return self._step_metrics(estimates, update, beta, lag, seconds)
@@ -130,8 +130,8 @@ class PPOTrainer:
     def _step_metrics(
         self, estimates: Estimates, update: UpdateResult, beta: float, lag: int, seconds: dict[str, float]
     ) -> dict[str, float]:
-        n_tokens = estimates.mean_length * self.cfg.rollout.batch_size
-        self.episodes += self.cfg.rollout.batch_size
+        n_tokens = estimates.mean_length * self.cfg.rollout.responses_per_step
+        self.episodes += self.cfg.rollout.responses_per_step
         self.tokens += round(n_tokens)
         metrics = {
             **estimates.metrics,
@@ -192,15 +192,12 @@ class PPOTrainer:
         )
         with timed(seconds, "perf/reference_s"), self.autocast(), gathered(self.reference):
             rollout.logp_ref = sequence_logprobs(self.reference, rollout, **stored_pass)
-        if rollout.values is not None and rollout.policy_version == self.policy_version:
-            seconds["perf/values_s"] = 0.0  # the decode loop read them off the current policy (shared trunk)
-        else:
-            with timed(seconds, "perf/values_s"), self.autocast(), gathered(*self._value_modules()):
-                rollout.values, rollout.bootstrap_value = value_predictions(
-                    self.value_model, rollout, **stored_pass
-                )
+        if self.value_model is not None:  # critic-free runs have no values
+            self._store_values(rollout, seconds)
         tis_stats = self._truncated_importance_sampling(rollout) if self.cfg.ppo.tis_cap else {}
-        estimates = self._advantages(rollout, rm_score)
+        estimates = fill_advantages(
+            rollout, rm_score, self.kl_controller.value, self.cfg, self.spec, self.group
+        )
         shown_used = transform_stats or component_rows or self.cfg.rollout.truncation == "bootstrap"
         metrics = rollout_metrics(
             rollout, rm_score_raw, estimates, component_rows if shown_used else None, self.group
@@ -208,30 +205,16 @@ class PPOTrainer:
         metrics |= transform_stats | seconds | tis_stats
         return Estimates(metrics, kl_ref=metrics["kl/ref"], mean_length=metrics["response/length"])
 
-    def _advantages(self, rollout: Rollout, rm_score: torch.Tensor) -> RewardEstimates:
-        """Shaped rewards, GAE and (whitened) advantages of a scored rollout, filled into it."""
-        cfg, mask, group = self.cfg, rollout.response_mask, self.group
-        bootstrap_value = rollout.bootstrap_value
-        # A truncated row either ends the episode (scored, nothing after it) or is unfinished (its future,
-        # score included, is V(s_after)): never both, or truncation would be paid twice.
-        if cfg.rollout.truncation == "terminal":
-            bootstrap_value = torch.zeros_like(bootstrap_value)
-        else:
-            rm_score = torch.where(rollout.terminated, rm_score, 0.0)
-        beta, logp_old = self.kl_controller.value, rollout.logp_old_for_update
-        kl_per_token = torch.where(
-            mask.bool(), core.kl_estimate(logp_old, rollout.logp_ref, cfg.kl.estimator), 0.0
-        )
-        rewards = core.shaped_rewards(rm_score, logp_old, rollout.logp_ref, mask, beta, cfg.kl.estimator)
-        advantages, returns = core.gae(
-            rewards, rollout.values, mask, cfg.ppo.gamma, cfg.ppo.lam, bootstrap_value
-        )
-        adv_mean = core.masked_mean(advantages, mask, group)
-        adv_std = core.masked_var(advantages, mask, unbiased=False, group=group).sqrt()
-        if cfg.ppo.whiten_advantages:
-            advantages = core.masked_whiten(advantages, mask, group=group)
-        rollout.advantages, rollout.returns = advantages, returns
-        return RewardEstimates(rm_score, rewards, kl_per_token, beta, adv_mean.item(), adv_std.item())
+    def _store_values(self, rollout: Rollout, seconds: dict[str, float]) -> None:
+        """``rollout.values`` (and ``bootstrap_value``) from the current critic: a stored pass, unless the
+        decode loop read them off the current policy's trunk already."""
+        if rollout.values is not None and rollout.policy_version == self.policy_version:
+            seconds["perf/values_s"] = 0.0
+            return
+        with timed(seconds, "perf/values_s"), self.autocast(), gathered(*self._value_modules()):
+            rollout.values, rollout.bootstrap_value = value_predictions(
+                self.value_model, rollout, **self.stored_pass_batching
+            )
 
     def _value_modules(self) -> tuple[nn.Module, ...]:
         """What a value pass runs: the critic, and with a shared trunk the policy that holds it."""
@@ -274,7 +257,7 @@ class PPOTrainer:
                 break  # approx KL is a global token mean, the same on every rank: all stop together
         n = len(results)
         nonfinite = sum(not r.finite for r in results)
-        metrics = update_metrics(totals, results)
+        metrics = update_metrics(totals, results, self.cfg.kl.in_loss)
         metrics["engine/logp_gap"] = engine_logp_gap
         metrics["policy/ratio_max"] = ratio_max
         metrics["policy/frozen"] = float(critic_only)
@@ -289,7 +272,11 @@ class PPOTrainer:
         token means too, so every rank logs and decides the same.
         """
         ppo = self.cfg.ppo
-        global_tokens = all_sum(minibatch.response_mask.sum(), self.group).clamp(min=1.0)
+        sizes = torch.stack(
+            [minibatch.response_mask.sum(), minibatch.response_mask.new_tensor(len(minibatch))]
+        )
+        global_tokens, global_rows = all_sum(sizes, self.group).clamp(min=1.0).unbind()
+        mean_length = global_tokens / global_rows  # response tokens per row: sequence_mean's token weights
         micro_batches, weights = rank_micro_batches(
             minibatch,
             micro_batch_size=ppo.micro_batch_size,
@@ -307,7 +294,7 @@ class PPOTrainer:
                 (ppo.ptx_coef * loss).backward()
             ptx_loss = loss.item() / self.world_size  # a mean over ranks after the sum below
         for i, (micro, weight) in enumerate(zip(micro_batches, weights, strict=True)):
-            micro_means, micro_ratio_max, loss = self.micro_batch_loss(micro, critic_only)
+            micro_means, micro_ratio_max, loss = self.micro_batch_loss(micro, mean_length, critic_only)
             # this micro-batch's token mean, weighted by its share of the global minibatch's tokens
             share = weight * micro.response_mask.sum() / global_tokens
             with self._no_grad_sync() if i < len(micro_batches) - 1 else nullcontext():
@@ -322,7 +309,7 @@ class PPOTrainer:
             for param in trainable_parameters(self.policy):
                 param.grad = None
         policy_norm, value_norm = self._clip_gradients()
-        finite = math.isfinite(policy_norm) and math.isfinite(value_norm)
+        finite = math.isfinite(policy_norm) and math.isfinite(value_norm or 0.0)
         if finite:  # never apply a NaN/inf update
             self.optimizer.step()
         return MinibatchResult(means, policy_norm, value_norm, ratio_max, finite, ptx_loss)
@@ -335,22 +322,37 @@ class PPOTrainer:
         )
 
     def micro_batch_loss(
-        self, micro: Rollout, critic_only: bool = False
+        self, micro: Rollout, mean_length: torch.Tensor, critic_only: bool = False
     ) -> tuple[TokenMeans, float, torch.Tensor]:
-        """The PPO loss of one micro-batch, its token-mean statistics and its largest ratio."""
+        """The PPO loss of one micro-batch, its token-mean statistics and its largest ratio.
+        ``mean_length``: the global minibatch's response tokens per row, for ``sequence_mean``."""
         ppo = self.cfg.ppo
         mask, logp_old = micro.response_mask, micro.logp_old_for_update
         with self.autocast():  # the forward only: backward runs each op in its forward's dtype
             logits, values = self.train_module(micro)
         logp_new, token_entropy = core.token_logprobs_and_entropy(logits, micro.response_ids)
+        weights = micro.tis_weights
+        if ppo.loss_aggregation == "sequence_mean":
+            weights = core.sequence_mean_weights(mask, mean_length, weights)
         policy_loss, clip_frac = core.ppo_clip_loss(
-            logp_new, logp_old, micro.advantages, mask, ppo.clip_eps, token_weights=micro.tis_weights
+            logp_new, logp_old, micro.advantages, mask, ppo.clip_eps, token_weights=weights
         )
-        v_loss, v_clip_frac = core.value_loss(values, micro.values, micro.returns, mask, ppo.value_clip_eps)
+        kl_loss = torch.zeros(
+            ()
+        )  # kl.in_loss, GRPO's term: k3 is >= 0 per token, its gradient pulls to the ref
+        if self.cfg.kl.in_loss:
+            per_token = core.kl_estimate(logp_new, micro.logp_ref, "k3")
+            kl_loss = core.masked_mean(per_token if weights is None else per_token * weights, mask)
+        v_loss = v_clip_frac = torch.zeros(())  # no critic, no value loss
+        if values is not None:
+            v_loss, v_clip_frac = core.value_loss(
+                values, micro.values, micro.returns, mask, ppo.value_clip_eps
+            )
         if ppo.ent_coef == 0:  # only a metric: the backward skips the entropy's (B, R, V) gradient sweep
             token_entropy = token_entropy.detach()
         entropy = core.masked_mean(token_entropy, mask)
-        loss = policy_loss + ppo.vf_coef * v_loss - ppo.ent_coef * entropy
+        kl_term = self.kl_controller.value * kl_loss
+        loss = policy_loss + kl_term + ppo.vf_coef * v_loss - ppo.ent_coef * entropy
         if critic_only:  # the value loss alone (x 0 keeps DDP's graph whole)
             loss = 0.0 * policy_loss + ppo.vf_coef * v_loss
         with torch.no_grad():
@@ -365,6 +367,7 @@ class PPOTrainer:
                 value_loss=v_loss.item(),
                 value_clip_frac=v_clip_frac.item(),
                 logp_gap=core.masked_mean((logp_new - micro.logp_old).abs(), mask).item(),
+                kl_loss=kl_loss.item(),
             )
             ratio_max = torch.where(mask.bool(), ratio, 0.0).max().item()
         return means, ratio_max, loss
@@ -378,8 +381,8 @@ class PPOTrainer:
             )
         return out.loss.float()
 
-    def _clip_gradients(self) -> tuple[float, float]:
-        """Clip policy and critic gradients separately; return their pre-clip norms.
+    def _clip_gradients(self) -> tuple[float, float | None]:
+        """Clip policy and critic gradients separately; return their pre-clip norms (None: no critic).
 
         ``clip_grad_norm_`` in two halves: the scaling pass runs only when it would change a gradient
         (its factor is clamped at 1), which saves a read and write of every gradient on most steps.
@@ -391,9 +394,7 @@ class PPOTrainer:
             params = [p for p in group["params"] if p.grad is not None]
             norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
             norm_value = float(full_tensor(norm))
-            if (
-                max_norm / (norm_value + 1e-6) < 1.0
-            ):  # clip_grad_norm_'s factor; NaN / inf skip the step anyway
+            if max_norm / (norm_value + 1e-6) < 1.0:  # clip_grad_norm_'s factor; NaN / inf skip the step
                 torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
             norms.append(norm_value)
-        return norms[0], norms[1]
+        return norms[0], norms[1] if len(norms) > 1 else None

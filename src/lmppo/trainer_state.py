@@ -43,11 +43,12 @@ TensorGroups = dict[str, dict[str, torch.Tensor]]
 
 
 def trained_modules(trainer: PPOTrainer) -> dict[str, tuple[nn.Module, set[int]]]:
-    """name -> (module, ids of parameters saved under another name: the shared trunk)."""
-    return {
-        "policy": (trainer.policy, set()),
-        "value": (trainer.value_model, {id(p) for p in trainer.policy.parameters()}),
-    }
+    """name -> (module, ids of parameters saved under another name: the shared trunk); no critic, no
+    ``value`` group."""
+    modules = {"policy": (trainer.policy, set())}
+    if trainer.value_model is not None:
+        modules["value"] = (trainer.value_model, {id(p) for p in trainer.policy.parameters()})
+    return modules
 
 
 def state_payload(trainer: PPOTrainer) -> tuple[TensorGroups, dict]:
@@ -179,7 +180,8 @@ def apply_changed_settings(trainer: PPOTrainer, cfg: Config, changed: set[str]) 
     ppo = cfg.ppo
     if changed & {"ppo.lr", "ppo.value_lr"}:  # the schedule's base rates; its position is kept
         scheduler = trainer.scheduler
-        scheduler.base_lrs = [ppo.lr, ppo.value_lr or ppo.lr]
+        rates = {"policy": ppo.lr, "value": ppo.value_lr or ppo.lr}
+        scheduler.base_lrs = [rates[group["name"]] for group in trainer.optimizer.param_groups]
         for group, base, multiplier in zip(
             trainer.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas
         ):
