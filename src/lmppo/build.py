@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lmppo import core
+from lmppo.best_of_n import BestOfNTrainer
 from lmppo.config import Config, KLConfig, PPOConfig, RewardComponent, RewardConfig, RewardSource
 from lmppo.data import Prompt, PromptStream
 from lmppo.distributed import CommCounter, data_parallel, shard_models
@@ -315,4 +316,5 @@ def build_trainer(
         comm_counter,
         ptx_batches,
     )
-    return PPOTrainer(cfg, spec, parts, group=group, rank=rank)
+    trainer_class = BestOfNTrainer if spec.algorithm == "best_of_n" else PPOTrainer  # its step differs
+    return trainer_class(cfg, spec, parts, group=group, rank=rank)

@@ -66,6 +66,7 @@ FIXED_KEYS = (
     "config.models.policy_lora",
     "config.models.value",
     "config.ppo.advantage",  # a critic would appear or vanish
+    "config.run.algorithm",
     *(
         f"identities.{role}.{field}"
         for role in ("policy", "value")

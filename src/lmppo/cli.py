@@ -62,25 +62,61 @@ def main() -> None:
         sys.exit(err.exit_code)
 
 
+CONFIG_ARGUMENT = typer.Argument(None, help="YAML config (optional with --resume: the run's own is used).")
+OVERRIDES_ARGUMENT = typer.Argument(None, help="section.key=value overrides, e.g. ppo.lr=1e-5")
+RESUME_OPTION = typer.Option(None, "--resume", help="Continue the run in this run directory.")
+ALLOW_CHANGE_OPTION = typer.Option(
+    False, "--allow-config-change", help="Resume even if the config or models differ (recorded)."
+)
+QUIET_OPTION = typer.Option(False, "--quiet", help="Plain log lines instead of a live display.")
+FORCE_OPTION = typer.Option(
+    False, "--force", help="Start even when the memory plan (`lmppo plan`) says the run does not fit."
+)
+RESTORE_OPTION = typer.Option(
+    False, "--restore-config", help="With --resume: write a missing config.yaml back from the checkpoint."
+)
+
+
 @app.command()
 def ppo(
-    config: Path | None = typer.Argument(
-        None, help="YAML config (optional with --resume: the run's own is used)."
-    ),
-    overrides: list[str] | None = typer.Argument(None, help="section.key=value overrides, e.g. ppo.lr=1e-5"),
-    resume: Path | None = typer.Option(None, "--resume", help="Continue the run in this run directory."),
-    allow_config_change: bool = typer.Option(
-        False, "--allow-config-change", help="Resume even if the config or models differ (recorded)."
-    ),
-    quiet: bool = typer.Option(False, "--quiet", help="Plain log lines instead of a live display."),
-    force: bool = typer.Option(
-        False, "--force", help="Start even when the memory plan (`lmppo plan`) says the run does not fit."
-    ),
-    restore_config: bool = typer.Option(
-        False, "--restore-config", help="With --resume: write a missing config.yaml back from the checkpoint."
-    ),
+    config: Path | None = CONFIG_ARGUMENT,
+    overrides: list[str] | None = OVERRIDES_ARGUMENT,
+    resume: Path | None = RESUME_OPTION,
+    allow_config_change: bool = ALLOW_CHANGE_OPTION,
+    quiet: bool = QUIET_OPTION,
+    force: bool = FORCE_OPTION,
+    restore_config: bool = RESTORE_OPTION,
 ) -> None:
     """Train a policy with PPO: `lmppo ppo CONFIG section.key=value ...`."""
+    _train_run("ppo", config, overrides, resume, allow_config_change, quiet, force, restore_config)
+
+
+@app.command("best-of-n")
+def best_of_n(
+    config: Path | None = CONFIG_ARGUMENT,
+    overrides: list[str] | None = OVERRIDES_ARGUMENT,
+    resume: Path | None = RESUME_OPTION,
+    allow_config_change: bool = ALLOW_CHANGE_OPTION,
+    quiet: bool = QUIET_OPTION,
+    force: bool = FORCE_OPTION,
+    restore_config: bool = RESTORE_OPTION,
+) -> None:
+    """Rejection sampling: rounds of K samples per prompt, the best kept, SFT on the winners (the PPO
+    config; K = rollout.samples_per_prompt, rounds = run.steps, the best_of_n section)."""
+    _train_run("best-of-n", config, overrides, resume, allow_config_change, quiet, force, restore_config)
+
+
+def _train_run(
+    command: str,
+    config: Path | None,
+    overrides: list[str] | None,
+    resume: Path | None,
+    allow_config_change: bool,
+    quiet: bool,
+    force: bool,
+    restore_config: bool,
+) -> None:
+    """`lmppo ppo` and `lmppo best-of-n`: one run of the config, new or resumed."""
     from lmppo.config import load_config
     from lmppo.run import resumed_config, train
 
@@ -91,9 +127,13 @@ def ppo(
         config = config or resumed_config(resume, restore=restore_config)
         overrides.append(f"run.output_dir={resume}")
     if config is None:
-        raise LmppoError("give a config file: `lmppo ppo CONFIG`, or `lmppo ppo --resume RUN_DIR`")
+        raise LmppoError(
+            f"give a config file: `lmppo {command} CONFIG`, or `lmppo {command} --resume RUN_DIR`"
+        )
     if quiet:
         overrides.append("logging.quiet=true")
+    if resume is None:  # a resumed run goes on with the algorithm its own config names
+        overrides.append(f"run.algorithm={command.replace('-', '_')}")
     run_dir = train(
         load_config(config, overrides),
         resume=resume is not None,

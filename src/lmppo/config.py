@@ -357,9 +357,27 @@ class GuardsConfig(Section):
     warmup_steps: int = Field(5, ge=0, description="rate and length rules start after this step")
 
 
+class BestOfNConfig(Section):
+    """``lmppo best-of-n`` (``run.algorithm=best_of_n``): rejection sampling. Each step is a round: sample
+    ``rollout.samples_per_prompt`` responses to each of ``rollout.batch_size`` prompts, score them with the
+    run's reward, keep each prompt's best and fine-tune the policy on the winners (response-only SFT loss,
+    ``ppo.lr``, minibatches of ``ppo.minibatch_size`` winners)."""
+
+    threshold: float | None = Field(
+        None,
+        description="keep a prompt's best response only when its score (as the reward preprocesses it) >= this",
+    )
+    epochs: int = Field(1, gt=0, description="passes of the SFT loss over each round's winners")
+
+
 class RunConfig(Section):
+    algorithm: Literal["ppo", "best_of_n"] = Field(
+        "ppo",
+        description="ppo (lmppo ppo) or best_of_n (lmppo best-of-n: rejection sampling + SFT on the winners, "
+        "one round per step, the best_of_n section)",
+    )
     output_dir: str = "runs/ppo"
-    steps: int = Field(100, gt=0, description="PPO steps (rollout + update) in the whole run")
+    steps: int = Field(100, gt=0, description="PPO steps (rollout + update), or best-of-n rounds, in the run")
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
@@ -489,6 +507,7 @@ class Config(Section):
     rollout: RolloutConfig = RolloutConfig()
     ppo: PPOConfig = PPOConfig()
     kl: KLConfig = KLConfig()
+    best_of_n: BestOfNConfig = BestOfNConfig()
     guards: GuardsConfig = GuardsConfig()
     run: RunConfig = RunConfig()
     distributed: DistributedConfig = DistributedConfig()
@@ -538,6 +557,11 @@ class Config(Section):
     @model_validator(mode="after")
     def _critic_free_fits(self) -> Config:
         advantage, n = self.ppo.advantage, self.rollout.samples_per_prompt
+        if self.run.algorithm == "best_of_n" and n < 2:
+            raise ValueError(
+                f"best-of-n keeps the best of rollout.samples_per_prompt responses per prompt, and it is {n}; "
+                "set rollout.samples_per_prompt to K >= 2 (4 or 8 is usual)"
+            )
         if advantage in GROUP_BASELINES and n < 2:
             raise ValueError(
                 f"ppo.advantage={advantage} compares the samples of one prompt, and rollout.samples_per_prompt"

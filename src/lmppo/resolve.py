@@ -68,7 +68,8 @@ class RunSpec:
     policy: RoleSpec
     reference: RoleSpec
     rewards: tuple[RoleSpec, ...]  # one per reward component, in the config's order
-    value: RoleSpec | None  # None: a critic-free advantage (ppo.advantage), no value model at all
+    value: RoleSpec | None  # None: a critic-free advantage (ppo.advantage) or best-of-n, no value model
+    algorithm: str  # run.algorithm: "ppo" or "best_of_n"
     advantage: str  # ppo.advantage
     whiten_advantages: bool  # GAE and REINFORCE++ as ppo.whiten_advantages says; group baselines never
 
@@ -91,13 +92,18 @@ def resolve(
     precision = resolve_precision(cfg.run.precision, device)
     check_distributed(cfg, world_size)
     check_engine(cfg, world_size)
+    if cfg.run.algorithm == "best_of_n" and world_size > 1:
+        raise LmppoError(
+            "best-of-n runs in one process (each rank would keep another number of winners, and its SFT "
+            "steps must match across ranks); start it without torchrun"
+        )
     strategy = cfg.distributed.strategy
     sharded = strategy == "fsdp2" and world_size > 1
     trained_shards = world_size if sharded else 1
     frozen_shards = world_size if sharded and cfg.distributed.shard_frozen else 1
     policy = policy_role(cfg, precision, trained_shards)
     rewards = reward_roles(cfg.reward, precision, frozen_shards)
-    critic = cfg.ppo.advantage == "gae"
+    critic = cfg.run.algorithm == "ppo" and cfg.ppo.advantage == "gae"
     return RunSpec(
         device=device,
         precision=precision,
@@ -114,6 +120,7 @@ def resolve(
         reference=reference_role(cfg, precision, policy, frozen_shards),
         rewards=rewards,
         value=value_role(cfg, policy, rewards, trained_shards) if critic else None,
+        algorithm=cfg.run.algorithm,
         advantage=cfg.ppo.advantage,
         # a group baseline is already on the group's scale (Dr. GRPO drops exactly that division)
         whiten_advantages=cfg.ppo.whiten_advantages and cfg.ppo.advantage in ("gae", "reinforce_pp"),

@@ -67,6 +67,7 @@ class Estimates:
     metrics: dict[str, float]
     kl_ref: float  # the global mean per-sequence KL, for the controller
     mean_length: float  # response tokens per row (all ranks)
+    rm_score: torch.Tensor  # (B,) the score each row's reward used (preprocessed), this rank's rows
 
 
 @dataclass

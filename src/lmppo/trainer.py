@@ -203,7 +203,7 @@ class PPOTrainer:
             rollout, rm_score_raw, estimates, component_rows if shown_used else None, self.group
         )
         metrics |= transform_stats | seconds | tis_stats
-        return Estimates(metrics, kl_ref=metrics["kl/ref"], mean_length=metrics["response/length"])
+        return Estimates(metrics, metrics["kl/ref"], metrics["response/length"], estimates.rm_score)
 
     def _store_values(self, rollout: Rollout, seconds: dict[str, float]) -> None:
         """``rollout.values`` (and ``bootstrap_value``) from the current critic: a stored pass, unless the
