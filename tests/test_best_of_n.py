@@ -1,5 +1,7 @@
 """Best-of-N rejection sampling: the selection, the fine-tuning on the winners, a whole run with resume."""
 
+import math
+
 import pytest
 import torch
 import yaml
@@ -43,6 +45,7 @@ def test_no_winner_above_the_threshold_leaves_the_policy_as_it_was():
     before = {k: p.detach().clone() for k, p in trainer.policy.named_parameters()}
     metrics = trainer.step()
     assert metrics["bon/kept_frac"] == 0 and metrics["policy/updates"] == 0 and trainer.policy_version == 0
+    assert "bon/winner_score" not in metrics and all(math.isfinite(v) for v in metrics.values())
     assert all(torch.equal(p, before[k]) for k, p in trainer.policy.named_parameters())
     assert not any(key.startswith(("adv/", "value/", "reward/kl_penalty")) for key in metrics)
 

@@ -61,7 +61,8 @@ class BestOfNTrainer(PPOTrainer):
         metrics = {k: v for k, v in metrics.items() if not k.startswith(NOT_LOGGED)}
         kept = estimates.rm_score[winners]
         metrics["bon/kept_frac"] = len(winners) / cfg.rollout.batch_size
-        metrics["bon/winner_score"] = kept.mean().item() if len(kept) else math.nan
+        if len(kept):  # none above the threshold: no score (a NaN would count as a non-finite value)
+            metrics["bon/winner_score"] = kept.mean().item()
         return metrics
 
     def fine_tune(self, winners: Rollout) -> UpdateResult:

@@ -1,0 +1,112 @@
+"""PPO against its cheaper relatives on the quickstart's toy world, judged by the hidden gold judge.
+
+Per seed, one full quickstart (world, SFT, reward model, PPO, held-out evaluation); every row then reuses
+that seed's SFT policy and reward model (``--models-from``) and runs its method, in its own process, for the
+same number of sampled responses (1,280: PPO's 40 steps x 32 prompts):
+
+- ``PPO``: the quickstart's defaults (a critic from the RM, GAE);
+- critic-free estimators inside the PPO update (``ppo.advantage``): GRPO, Dr. GRPO and RLOO on groups of 4
+  samples per prompt (8 prompts x 4 per step), REINFORCE++ on one sample per prompt;
+- best-of-N rejection sampling (``lmppo best-of-n``): 5 rounds of 64 prompts x 4, or 32 prompts x 8.
+
+``--rows`` with the ``lr`` variants tunes each method's learning rate on one seed first, so that no method
+is judged by PPO's defaults. Prints a markdown table (mean ± sample std over the seeds); every run's
+figures go to ``WORK/results.jsonl`` (resumable, as the other ablations).
+
+    .venv/bin/python benchmarks/compare_methods.py --seeds 0 --rows "PPO,GRPO,GRPO lr 1e-3"
+
+"gap closed" is the share of the SFT -> perfect (2.7) held-out gold gap that the method closes; "ppl ×" the
+held-out demonstration perplexity over SFT's (the alignment tax); "tokens" the response tokens sampled in
+training; "train s" the seconds of the training steps alone (no evaluation); "peak RSS" the training
+process's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+from ablate_quickstart import ROOT, run
+from ablation import markdown_table, minimum, parser, run_rows, seeds_and_rows
+
+GROUPS = ["rollout.batch_size=8", "rollout.samples_per_prompt=4"]  # 32 responses a step, as PPO's 32 prompts
+
+
+def best_of(k: int) -> list[str]:
+    """Best-of-k over 5 rounds of 256 responses (1,280 in all), one SFT epoch on each round's winners."""
+    return ["run.algorithm=best_of_n", f"rollout.samples_per_prompt={k}", f"rollout.batch_size={256 // k}",
+            "run.steps=5", "run.eval_every=1", "ppo.minibatch_size=16"]  # fmt: skip
+
+
+METHODS: dict[str, list[str]] = {
+    "PPO": [],
+    "GRPO": ["ppo.advantage=grpo", *GROUPS],
+    "Dr. GRPO": ["ppo.advantage=dr_grpo", *GROUPS],
+    "RLOO": ["ppo.advantage=rloo", *GROUPS],
+    "REINFORCE++": ["ppo.advantage=reinforce_pp"],
+    "best-of-4": best_of(4),
+    "best-of-8": best_of(8),
+}
+LEARNING_RATES = ("3e-5", "1e-4", "1e-3")  # around the quickstart's 3e-4
+ROWS = {
+    **METHODS,
+    **{
+        f"{name} lr {lr}": [*overrides, f"ppo.lr={lr}"]
+        for name, overrides in METHODS.items()
+        for lr in LEARNING_RATES
+    },
+}
+
+
+def figures(out: Path, seed: int, overrides: list[str], models_from: Path | None) -> dict:
+    """One quickstart run of a method (:func:`ablate_quickstart.run`) and what its run directory says of
+    the training: response tokens sampled, the process's peak RSS."""
+    result = run(out, seed, overrides, models_from)
+    if "failed" in result:
+        return result
+    records = [json.loads(line) for line in (out / "ppo" / "metrics.jsonl").open()]
+    config = yaml.safe_load((out / "ppo" / "config.yaml").read_text())
+    responses = config["rollout"]["batch_size"] * config["rollout"]["samples_per_prompt"]
+    trained = [r for r in records if "response/length" in r]
+    return {
+        **result,
+        "tokens": sum(r["response/length"] * responses for r in trained),
+        "train_s": sum(r["perf/step_s"] for r in trained),  # the steps alone: no evaluation, no SFT/RM stages
+        "peak_rss_mb": max(r["perf/peak_rss_mb"] for r in trained),
+    }
+
+
+COLUMNS = [
+    ("gold", "gold_ppo", 3),
+    ("gap closed", "gap_closed", 2),
+    ("min gap closed", minimum("gap_closed", 2), 2),
+    ("win rate vs SFT", "win_rate", 2),
+    ("KL", "kl", 1),
+    ("ppl ×", "ppl_ratio", 2),
+    ("tokens", "tokens", 0),
+    ("train s", "train_s", 0),
+    ("peak RSS MB", "peak_rss_mb", 0),
+]
+
+
+def main(argv=None) -> None:
+    args = parser(__doc__, ROWS, ",".join(METHODS), ROOT / "runs" / "compare_methods").parse_args(argv)
+    seeds, rows = seeds_and_rows(args, ROWS)
+    extra = args.extra.split()
+
+    def run_one(row: str, seed: int) -> dict:
+        base = args.work_dir / f"seed{seed}" / "base"
+        if not (base / "ppo" / "quickstart.json").is_file():  # the seed's world, SFT policy and RM, once
+            failed = run(base, seed, extra, None).get("failed")
+            if failed is not None:
+                raise SystemExit(f"the base quickstart of seed {seed} failed ({failed}); see {base}")
+        out = args.work_dir / f"seed{seed}" / row.replace(" ", "_").replace(".", "")
+        return figures(out, seed, [*extra, *ROWS[row]], base)
+
+    results = run_rows(args.work_dir, seeds, rows, run_one, args.table_only)
+    print(markdown_table(results, rows, ROWS, COLUMNS))
+
+
+if __name__ == "__main__":
+    main()
