@@ -54,6 +54,8 @@ def test_first_update_sees_ratio_one_and_metrics_are_complete():
                 "perf/weight_sync_s",
                 "policy/kl_loss",  # kl.in_loss only
                 "adv/flat_group_frac",  # group baselines only
+                "bon/",  # best-of-n rounds only
+                "sft/",
             )
         )
     }

@@ -62,48 +62,42 @@ def main() -> None:
         sys.exit(err.exit_code)
 
 
-CONFIG_ARGUMENT = typer.Argument(None, help="YAML config (optional with --resume: the run's own is used).")
-OVERRIDES_ARGUMENT = typer.Argument(None, help="section.key=value overrides, e.g. ppo.lr=1e-5")
-RESUME_OPTION = typer.Option(None, "--resume", help="Continue the run in this run directory.")
-ALLOW_CHANGE_OPTION = typer.Option(
-    False, "--allow-config-change", help="Resume even if the config or models differ (recorded)."
+def training_command(name: str, help_text: str) -> None:
+    """Register `lmppo NAME CONFIG [overrides]`: one run of a config, new or resumed. `ppo` and `best-of-n`
+    differ only in the algorithm a new run takes (a resumed run keeps its own)."""
+
+    def command(
+        config: Path | None = typer.Argument(
+            None, help="YAML config (optional with --resume: the run's own is used)."
+        ),
+        overrides: list[str] | None = typer.Argument(
+            None, help="section.key=value overrides, e.g. ppo.lr=1e-5"
+        ),
+        resume: Path | None = typer.Option(None, "--resume", help="Continue the run in this run directory."),
+        allow_config_change: bool = typer.Option(
+            False, "--allow-config-change", help="Resume even if the config or models differ (recorded)."
+        ),
+        quiet: bool = typer.Option(False, "--quiet", help="Plain log lines instead of a live display."),
+        force: bool = typer.Option(
+            False, "--force", help="Start even when the memory plan (`lmppo plan`) says the run does not fit."
+        ),
+        restore_config: bool = typer.Option(
+            False,
+            "--restore-config",
+            help="With --resume: write a missing config.yaml back from the checkpoint.",
+        ),
+    ) -> None:
+        _train_run(name, config, overrides, resume, allow_config_change, quiet, force, restore_config)
+
+    app.command(name, help=help_text)(command)
+
+
+training_command("ppo", "Train a policy with PPO: `lmppo ppo CONFIG section.key=value ...`.")
+training_command(
+    "best-of-n",
+    "Rejection sampling: rounds of K samples per prompt, the best kept, SFT on the winners (the PPO config; "
+    "K = rollout.samples_per_prompt, rounds = run.steps, the best_of_n section).",
 )
-QUIET_OPTION = typer.Option(False, "--quiet", help="Plain log lines instead of a live display.")
-FORCE_OPTION = typer.Option(
-    False, "--force", help="Start even when the memory plan (`lmppo plan`) says the run does not fit."
-)
-RESTORE_OPTION = typer.Option(
-    False, "--restore-config", help="With --resume: write a missing config.yaml back from the checkpoint."
-)
-
-
-@app.command()
-def ppo(
-    config: Path | None = CONFIG_ARGUMENT,
-    overrides: list[str] | None = OVERRIDES_ARGUMENT,
-    resume: Path | None = RESUME_OPTION,
-    allow_config_change: bool = ALLOW_CHANGE_OPTION,
-    quiet: bool = QUIET_OPTION,
-    force: bool = FORCE_OPTION,
-    restore_config: bool = RESTORE_OPTION,
-) -> None:
-    """Train a policy with PPO: `lmppo ppo CONFIG section.key=value ...`."""
-    _train_run("ppo", config, overrides, resume, allow_config_change, quiet, force, restore_config)
-
-
-@app.command("best-of-n")
-def best_of_n(
-    config: Path | None = CONFIG_ARGUMENT,
-    overrides: list[str] | None = OVERRIDES_ARGUMENT,
-    resume: Path | None = RESUME_OPTION,
-    allow_config_change: bool = ALLOW_CHANGE_OPTION,
-    quiet: bool = QUIET_OPTION,
-    force: bool = FORCE_OPTION,
-    restore_config: bool = RESTORE_OPTION,
-) -> None:
-    """Rejection sampling: rounds of K samples per prompt, the best kept, SFT on the winners (the PPO
-    config; K = rollout.samples_per_prompt, rounds = run.steps, the best_of_n section)."""
-    _train_run("best-of-n", config, overrides, resume, allow_config_change, quiet, force, restore_config)
 
 
 def _train_run(
