@@ -53,11 +53,12 @@ class BestOfNTrainer(PPOTrainer):
             )
             with timed(seconds, "perf/update_s"):
                 update = self.fine_tune(rollout.select(winners))
+            lag = self.policy_version - rollout.policy_version
             if update.policy_moved:
                 self.policy_version += 1
             self.scheduler.step()
             self.step_count += 1
-        metrics = self._step_metrics(estimates, update, self.kl_controller.value, 0, seconds)
+        metrics = self._step_metrics(estimates, update, self.kl_controller.value, lag, seconds)
         metrics = {k: v for k, v in metrics.items() if not k.startswith(NOT_LOGGED)}
         kept = estimates.rm_score[winners]
         metrics["bon/kept_frac"] = len(winners) / cfg.rollout.batch_size
@@ -70,8 +71,9 @@ class BestOfNTrainer(PPOTrainer):
         minibatches (``ppo.minibatch_size`` rows; micro-batches as ``ppo.micro_batch_*`` say)."""
         ppo = self.cfg.ppo
         sums = {"sft/loss": 0.0, "policy/entropy": 0.0, "policy/grad_norm": 0.0}
+        epochs = self.cfg.best_of_n.epochs if len(winners) else 0  # no winner kept: nothing to learn
         updates = nonfinite = 0
-        for _ in range(self.cfg.best_of_n.epochs if len(winners) else 0):
+        for _ in range(epochs):
             for minibatch in winners.minibatches(ppo.minibatch_size, self.shuffle_generator):
                 loss, entropy, norm = self.sft_update(minibatch)
                 finite = math.isfinite(norm)
@@ -79,7 +81,7 @@ class BestOfNTrainer(PPOTrainer):
                 for key, value in zip(sums, (loss, entropy, norm), strict=True):
                     sums[key] += value
         metrics = {key: total / max(updates, 1) for key, total in sums.items()} if updates else {}
-        return UpdateResult(metrics, self.cfg.best_of_n.epochs, updates, nonfinite, nonfinite < updates)
+        return UpdateResult(metrics, epochs, updates, nonfinite, nonfinite < updates)
 
     def sft_update(self, minibatch: Rollout) -> tuple[float, float, float]:
         """One optimizer step of the token-mean NLL of the responses (temperature 1: the policy's own
