@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "smollm2"
 
 JUDGE, RM = "ppo_judge.yaml", "ppo_rm.yaml"
+GROUPS = ["rollout.batch_size=4", "rollout.samples_per_prompt=4"]  # 16 responses a step, as the example's 16
 # row -> (config in examples/smollm2/, overrides)
 ROWS: dict[str, tuple[str, list[str]]] = {
     "judge": (JUDGE, []),
@@ -35,6 +36,16 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "judge beta 0.05": (JUDGE, ["run.steps=60", "kl.beta=0.05"]),  # the example's KL coefficient before 0.02
     "judge 60 steps": (JUDGE, ["run.steps=60"]),  # the example's length before 120 steps
     "judge lr 2e-4": (JUDGE, ["ppo.lr=2e-4"]),
+    # issue 38: no critic, 60 steps of 16 responses as "judge 60 steps" (4 prompts x 4 samples)
+    "judge rloo 60 steps": (JUDGE, ["run.steps=60", "ppo.advantage=rloo", *GROUPS]),
+    "judge grpo 60 steps": (JUDGE, ["run.steps=60", "ppo.advantage=grpo", *GROUPS]),
+    "judge reinforce_pp 60 steps": (JUDGE, ["run.steps=60", "ppo.advantage=reinforce_pp"]),
+    # best-of-4: 4 rounds of 64 prompts x 4 (1,024 responses against PPO's 960), one SFT epoch each
+    "judge best-of-4": (
+        JUDGE,
+        ["run.algorithm=best_of_n", "run.steps=4", "run.eval_every=1", "rollout.samples_per_prompt=4"]
+        + ["rollout.batch_size=64"],
+    ),
     "rm": (RM, []),  # the RM of rm.yaml: natural + correctness-contrast pairs (prepare.py --pairs)
     # rm.yaml on the natural pairs alone (prepare.py --pairs --samples-per-prompt 2), and on their length-balanced part
     "rm natural": (RM, ["reward.model.path=runs/smollm2/rm_natural"]),
