@@ -29,6 +29,7 @@ EXAMPLE = ROOT / "examples" / "smollm2"
 
 JUDGE, RM = "ppo_judge.yaml", "ppo_rm.yaml"
 GROUPS = ["rollout.batch_size=4", "rollout.samples_per_prompt=4"]  # 16 responses a step, as the example's 16
+BEST_OF_N_ROWS = {"judge best-of-4"}  # run with `lmppo best-of-n`, the others with `lmppo ppo`
 # row -> (config in examples/smollm2/, overrides)
 ROWS: dict[str, tuple[str, list[str]]] = {
     "judge": (JUDGE, []),
@@ -43,8 +44,7 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     # best-of-4: 4 rounds of 64 prompts x 4 (1,024 responses against PPO's 960), one SFT epoch each
     "judge best-of-4": (
         JUDGE,
-        ["run.algorithm=best_of_n", "run.steps=4", "run.eval_every=1", "rollout.samples_per_prompt=4"]
-        + ["rollout.batch_size=64"],
+        ["run.steps=4", "run.eval_every=1", "rollout.samples_per_prompt=4", "rollout.batch_size=64"],
     ),
     "rm": (RM, []),  # the RM of rm.yaml: natural + correctness-contrast pairs (prepare.py --pairs)
     # rm.yaml on the natural pairs alone (prepare.py --pairs --samples-per-prompt 2), and on their length-balanced part
@@ -113,11 +113,11 @@ def rm_report(directories: list[str], pairs_path: Path) -> dict:
     return report
 
 
-def run(out: Path, seed: int, config: str, overrides: list[str]) -> dict:
-    """One PPO run and its held-out evaluation; their figures."""
+def run(out: Path, seed: int, config: str, overrides: list[str], command: str = "ppo") -> dict:
+    """One run (``lmppo ppo``, or ``command``) and its held-out evaluation; their figures."""
     started = time.perf_counter()
     done = lmppo(
-        "ppo",
+        command,
         str(EXAMPLE / config),
         f"run.seed={seed}",
         f"run.output_dir={out}",
@@ -192,7 +192,9 @@ def main(argv=None) -> None:
 
     def run_one(row: str, seed: int) -> dict:
         config, overrides = ROWS[row]
-        return run(args.work_dir / f"seed{seed}" / row.replace(" ", "_"), seed, config, [*extra, *overrides])
+        command = "best-of-n" if row in BEST_OF_N_ROWS else "ppo"
+        out = args.work_dir / f"seed{seed}" / row.replace(" ", "_")
+        return run(out, seed, config, [*extra, *overrides], command)
 
     print(table(run_rows(args.work_dir, seeds, rows, run_one, args.table_only), rows))
 

@@ -251,7 +251,7 @@ def test_smollm2_ablation_judges_each_answer_and_reads_the_runs_own_evaluations(
     assert (result["best_meets"], result["best_step"]) == (0.6, 10) and result["rm_accuracy"] == 0.8
 
     monkeypatch.setattr(
-        ablate_smollm2, "run", lambda out, seed, config, overrides: {**result, "wall_s": 60.0}
+        ablate_smollm2, "run", lambda out, seed, config, overrides, command: {**result, "wall_s": 60.0}
     )
     ablate_smollm2.main(["--seeds", "0,1", "--rows", "rm balanced", "--work-dir", str(tmp_path / "ab")])
     lines = ablate_smollm2.table(

@@ -81,3 +81,11 @@ def test_best_of_n_runs_end_to_end_and_resumes_exactly_between_rounds(run_files)
     )
     assert (a / "final" / "config.json").is_file()
     assert yaml.safe_load((b / "config.yaml").read_text())["run"]["algorithm"] == "best_of_n"
+
+
+def test_the_command_names_the_algorithm_and_a_contradicting_override_is_refused(run_files, capsys):
+    assert run_cli("ppo", str(run_files), "run.algorithm=best_of_n", "rollout.samples_per_prompt=2") == 2
+    assert "use `lmppo best-of-n CONFIG ...` without the override" in " ".join(
+        capsys.readouterr().err.split()
+    )
+    assert not (run_files.parent / "run").exists()  # refused before anything was written

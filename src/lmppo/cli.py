@@ -126,8 +126,15 @@ def _train_run(
         )
     if quiet:
         overrides.append("logging.quiet=true")
-    if resume is None:  # a resumed run goes on with the algorithm its own config names
-        overrides.append(f"run.algorithm={command.replace('-', '_')}")
+    if resume is None:  # the command names a new run's algorithm; a resumed run keeps its own
+        algorithm = command.replace("-", "_")
+        asked = [o.split("=", 1)[1] for o in overrides if o.startswith("run.algorithm=")]
+        if any(value != algorithm for value in asked):
+            raise LmppoError(
+                f"run.algorithm={asked[-1]} contradicts `lmppo {command}`, which runs {algorithm}; the command "
+                f"names the algorithm: use `lmppo {asked[-1].replace('_', '-')} CONFIG ...` without the override"
+            )
+        overrides.append(f"run.algorithm={algorithm}")
     run_dir = train(
         load_config(config, overrides),
         resume=resume is not None,
