@@ -2,7 +2,8 @@
 rate they achieve against the GPU's bf16 matrix-product rate measured in this process, and peak
 ``max_memory_allocated`` against ``lmppo plan``. Models are random with real shapes (random_models.py):
 SmolLM2-135M (LoRA, critic head on the trunk), a 1.07B and a 3B Llama (full policy, gradient
-checkpointing; a separate critic where the plan fits one). Each row is its own ``lmppo ppo`` process,
+checkpointing; a separate critic where the plan fits one), then the memory ladder's rows: the 1B's
+reference in int8, in nf4 and offloaded, the 1B's 24 GB config, and SmolLM2 as QLoRA on an nf4 base. Each row is its own ``lmppo ppo`` process,
 stopped once its steps are logged (no end-of-run checkpoint to write).
 
     python benchmarks/bench_gpu.py --deadline-s 180        # on the GPU (benchmarks/gpu_check.sh runs it)
@@ -34,20 +35,30 @@ class Row:
     shape: str
     precision: str
     config: str
-    overrides: tuple[str, ...] = ()
+    overrides: tuple[str, ...] = ()  # "{model}" stands for the row's model directory
+    label: str = ""  # what the overrides change, in the row's name
 
     @property
     def name(self) -> str:
-        return f"{self.shape} {self.precision}"
+        return " ".join(filter(None, [self.shape, self.precision, self.label]))
 
 
 LLAMA = "examples/llama_1b/ppo.yaml"
-# Most informative first: the bf16 rows our users run, then fp32 for the ratio.
+SMOLLM2 = "examples/smollm2/ppo_judge.yaml"
+# the 1B's reference as a model of its own, to quantize or offload
+REFERENCE = "models.reference.path={model}"
+# Most informative first: the bf16 rows our users run, then the memory ladder against the 1B bf16 row (the
+# model exists by then: a row costs its steps), then the 3B, then fp32 for the ratio.
 ROWS = [
-    Row("smollm2-135m", "bf16", "examples/smollm2/ppo_judge.yaml"),
+    Row("smollm2-135m", "bf16", SMOLLM2),
     Row("llama-1b", "bf16", LLAMA),
+    Row("llama-1b", "bf16", LLAMA, (REFERENCE, "models.reference.quantize=int8"), "int8 ref"),
+    Row("llama-1b", "bf16", LLAMA, (REFERENCE, "models.reference.quantize=nf4"), "nf4 ref"),
+    Row("llama-1b", "bf16", LLAMA, (REFERENCE, "models.reference.offload=model"), "offload ref"),
+    Row("llama-1b", "bf16", "examples/llama_1b/ppo_24gb.yaml", (REFERENCE,), "24 GB config"),
+    Row("smollm2-135m", "bf16", SMOLLM2, ("models.policy.quantize=nf4",), "QLoRA nf4"),
     Row("llama-3b", "bf16", LLAMA),
-    Row("smollm2-135m", "fp32", "examples/smollm2/ppo_judge.yaml"),
+    Row("smollm2-135m", "fp32", SMOLLM2),
     Row("llama-1b", "fp32", LLAMA),
 ]
 
@@ -55,7 +66,7 @@ ROWS = [
 def row_config(row: Row, model_dir: Path, args, output_dir: Path) -> list[str]:
     return [
         f"models.policy.path={model_dir}",
-        *row.overrides,
+        *(override.format(model=model_dir) for override in row.overrides),
         f"run.device={args.device}",
         f"run.precision={row.precision}",
         f"run.steps={args.steps}",

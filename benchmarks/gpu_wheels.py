@@ -26,7 +26,7 @@ MODELS = ROOT / ".gpu-models"
 UPLOAD_LIMIT = 64 * 2**20
 # lmppo's imports the GPU machine lacks. `datasets` is imported only to read a dataset directory and `gguf`
 # only by transformers for a GGUF file: neither is needed there, so neither travels.
-GPU_MACHINE_LACKS = ["pydantic"]
+GPU_MACHINE_LACKS = ["pydantic", "torchao"]  # torchao: quantized frozen models, optimizer offload
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 
 

@@ -163,3 +163,47 @@ def test_lmppo_eval_runs_on_the_device(run_files):
         for policy in record["policies"].values()
         for value in policy["metrics"].values()
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# The memory ladder on the device: quantized frozen models, QLoRA, offloaded frozen models
+# --------------------------------------------------------------------------------------------------
+
+
+def ladder_step(smollm2_config, *overrides: str) -> tuple[dict, int]:
+    """One step of the example with ``overrides``: its metrics and the peak bytes torch allocated."""
+    cfg = load_config(base=smollm2_config.model_dump(mode="json"), overrides=list(overrides))
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    metrics = trainer_for(cfg).step()
+    return metrics, torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+
+
+@pytest.mark.parametrize("scheme", ["int8", "nf4"])
+def test_qlora_steps_on_a_quantized_base_and_the_reference_is_that_base(smollm2_config, scheme):
+    pytest.importorskip("torchao")
+    metrics, peak = ladder_step(smollm2_config, f"models.policy.quantize={scheme}")
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    # the policy starts as the quantized base it is compared with: no quantization error in the KL
+    assert abs(metrics["kl/ref"]) < 0.05 and metrics["engine/logp_gap"] < 0.05
+    print(f"\nQLoRA {scheme}: step {metrics['perf/step_s']:.2f} s, peak {peak / 2**20:.0f} MiB")
+
+
+@pytest.mark.parametrize("how", ["model", "layers"])
+def test_an_offloaded_reference_gives_the_resident_ones_log_probs(smollm2_config, how):
+    """The reference as its own model (the policy's weights), resident or offloaded: the same KL, and
+    its weights off the device between passes."""
+    if DEVICE != "cuda":
+        pytest.skip("offloading is for a CUDA device")
+    own = [f"models.reference.path={smollm2_config.models.policy.path}", "models.reference.dtype=bfloat16"]
+    resident, resident_peak = ladder_step(smollm2_config, *own)
+    offloaded, offloaded_peak = ladder_step(smollm2_config, *own, f"models.reference.offload={how}")
+    assert offloaded["kl/ref"] == pytest.approx(resident["kl/ref"], abs=1e-3)
+    assert offloaded_peak <= resident_peak
+    print(
+        f"\noffload={how}: peak {offloaded_peak / 2**20:.0f} MiB against {resident_peak / 2**20:.0f} MiB "
+        f"resident; reference pass {offloaded['perf/reference_s']:.3f} s against {resident['perf/reference_s']:.3f} s"
+    )

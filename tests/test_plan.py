@@ -128,6 +128,16 @@ def test_the_readme_shows_what_lmppo_plan_prints_for_the_1b_example(tmp_path):
     assert plan.device == "cuda" and plan.precision == "bf16"
     assert f"peak per rank: {size(plan.peak)} = models {size(plan.static)}" in readme
     assert f"update (peak)      {size(plan.phases['update'])}" in readme
+    # the 24 GB config down the memory ladder, and the refusal's rungs that lead to it
+    small = load_config(
+        root / "examples/llama_1b/ppo_24gb.yaml",
+        [f"models.policy.path={tmp_path / 'llama'}", f"models.reference.path={tmp_path / 'llama'}"],
+    )
+    plan24 = memory_plan(small, available=24 * 2**30, world_size=1)
+    assert plan24.fits and f"peak per rank: {size(plan24.peak)} = models {size(plan24.static)}" in readme
+    refused = memory_plan(cfg, available=24 * 2**30, world_size=1)
+    for change, saved in plan_module.remedies(cfg, refused)[:2]:
+        assert f"`{change}` (" in readme and size(saved) in readme
 
 
 def test_each_learned_reward_component_has_its_row_and_a_critic_starts_from_the_first(run_files, tmp_path):

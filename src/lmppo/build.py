@@ -28,6 +28,7 @@ from lmppo.models import (
     model_identity,
     trainable_parameters,
 )
+from lmppo.quantize import offload
 from lmppo.resolve import RoleSpec, RunSpec
 from lmppo.rollout import Generator, HFGenerator, PolicyAndValue
 from lmppo.scoring import (
@@ -66,7 +67,7 @@ def load_reward_component(
         identity = {"role": "reward", "function": source.function}
         return ScoredComponent(source.name, scorer, source.weight, score_transform(source)), identity
     tokenizer = load_tokenizer(role.source)
-    model = load_reward_model(role.source).to(device)
+    model = placed(load_reward_model(role.source), role, device)
     scorer = RewardModelScorer(
         model,
         tokenizer,
@@ -126,11 +127,19 @@ def load_reference(role: RoleSpec, policy: nn.Module, device: torch.device | str
     """Its own frozen model, or the policy's starting weights: the adapter-disabled view with LoRA, else a
     frozen copy in the role's dtype."""
     if role.source is not None:
-        return freeze(load_causal_lm(role.source)).to(device)
+        return placed(freeze(load_causal_lm(role.source)), role, device)
     reference = make_reference(policy)
     if role.copy_of:
         reference.to(DTYPES[role.dtype])  # frozen: 2 bytes per parameter under bf16
     return reference
+
+
+def placed(model: nn.Module, role: RoleSpec, device: torch.device | str) -> nn.Module:
+    """A frozen model on ``device``, or kept in host memory when its section offloads it (its passes then
+    run inside :func:`lmppo.distributed.gathered`, which brings it over)."""
+    if role.source.offload == "none":
+        return model.to(device)
+    return offload(model, role.source.offload, torch.device(device))
 
 
 def load_models(cfg: Config, spec: RunSpec) -> PPOModels:

@@ -45,6 +45,17 @@ class ModelSource(Section):
         description="weights' dtype; unset = by run.precision: bfloat16 for frozen weights (reference, reward "
         "model, LoRA bases) under bf16, float32 for every trained weight and under fp32",
     )
+    quantize: Literal["int8", "nf4"] | None = Field(
+        None,
+        description="frozen weights only (reference, reward model, a LoRA policy's base: QLoRA): the decoder's "
+        "linear layers in 8 bits (int8, weight-only) or 4-bit NormalFloat (nf4) with torchao; embeddings and "
+        "heads stay in `dtype`. docs/memory.md measures the log-prob and score error",
+    )
+    offload: Literal["none", "model", "layers"] = Field(
+        "none",
+        description="frozen models on CUDA only: weights in pinned host memory, brought to the GPU whole for "
+        "each pass (model) or one layer at a time (layers)",
+    )
     trust_remote_code: bool = False
     chat_template: str | None = Field(None, description="Jinja template overriding the tokenizer's own")
 
@@ -605,6 +616,15 @@ class SupervisedConfig(TrainingStage):
     output_dir: str
     lora: LoraConfig = Field(LoraConfig(), description="train LoRA adapters (merged into the saved model)")
 
+    @model_validator(mode="after")
+    def _trains_plain_weights(self) -> SupervisedConfig:
+        if self.model.quantize or self.model.offload != "none":
+            raise ValueError(
+                "model.quantize and model.offload are for the frozen models of a PPO run (reference, reward "
+                "model, a LoRA policy's base); a supervised stage saves the weights it trains: remove them"
+            )
+        return self
+
 
 class QuickstartConfig(Section):
     """``lmppo quickstart``: the two supervised stages and the PPO run on the toy world."""
@@ -652,9 +672,9 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     *parents, leaf = key.strip().split(".")
     node = raw
     for part in parents:
-        node = (
-            node[_list_index(node, part, override)] if isinstance(node, list) else node.setdefault(part, {})
-        )
+        if isinstance(node, dict) and node.get(part) is None:  # an unset optional section (models.reference)
+            node[part] = {}
+        node = node[_list_index(node, part, override)] if isinstance(node, list) else node[part]
         if not isinstance(node, dict | list):
             raise LmppoError(f"override {override!r}: {part!r} is a value, not a section")
     node[_list_index(node, leaf, override) if isinstance(node, list) else leaf] = yaml.safe_load(value)

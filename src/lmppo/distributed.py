@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lmppo.errors import UserCodeError
 from lmppo.models import decoder_layers
+from lmppo.quantize import on_device
 from lmppo.resolve import RoleSpec, RunSpec
 
 
@@ -310,7 +311,8 @@ def _shard_critic(spec: RunSpec, mesh, counter: CommCounter, policy: nn.Module, 
 
 @contextlib.contextmanager
 def gathered(*modules: nn.Module | None) -> Iterator[None]:
-    """The FSDP2 units inside ``modules`` held whole on every rank for the block; a no-op for plain
+    """The FSDP2 units inside ``modules`` held whole on every rank for the block, and models offloaded
+    whole to host memory brought to their device (:func:`lmppo.quantize.on_device`); a no-op for plain
     modules (and None: no reward model). One all-gather per unit on entry and none inside, so the block may run a different number
     of forwards on each rank (generation stops when a rank's responses end); resharded on exit.
 
@@ -330,7 +332,11 @@ def gathered(*modules: nn.Module | None) -> Iterator[None]:
             unit.set_reshard_after_forward(False, recurse=False)
             unit.unshard()
     try:
-        yield
+        with contextlib.ExitStack() as on_devices:
+            for module in modules:
+                if module is not None:
+                    on_devices.enter_context(on_device(module))
+            yield
     finally:
         for unit in units.values():
             unit.reshard()

@@ -33,7 +33,7 @@ from lmppo.build import generator_options, load_reward
 from lmppo.config import load_config
 from lmppo.core import kl_estimate
 from lmppo.data import Prompt, load_demonstrations, load_prompts
-from lmppo.distributed import all_sum, failing_together, gather_objects
+from lmppo.distributed import all_sum, failing_together, gather_objects, gathered
 from lmppo.errors import LmppoError, user_code_error
 from lmppo.loading import load_causal_lm, load_tokenizer
 from lmppo.models import autocast, eval_mode
@@ -337,7 +337,8 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
     reward_fn = load_reward(cfg.reward, spec.rewards, spec.device).reward
     gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
     start, final = (load_causal_lm(source).to(spec.device) for source in (start_source, final_source))
-    with autocast(spec.precision, spec.device):
+    # an offloaded reward model comes to the device for the evaluation (lmppo.quantize.offload)
+    with autocast(spec.precision, spec.device), gathered(*getattr(reward_fn, "models", [])):
         results = {
             name: evaluate_policy(
                 policy,

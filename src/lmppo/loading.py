@@ -32,6 +32,7 @@ from transformers import (
 
 from lmppo.config import ModelSource
 from lmppo.errors import LmppoError
+from lmppo.quantize import quantize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -199,12 +200,14 @@ def _weights_source(model: ModelSource | str | os.PathLike) -> tuple[ModelSource
 
 
 def load_causal_lm(model: ModelSource | str | os.PathLike) -> PreTrainedModel:
-    """A causal LM (policy or reference) from a model section (or a bare path), in its ``dtype``."""
+    """A causal LM (policy or reference) from a model section (or a bare path), in its ``dtype``, its linear
+    layers quantized when the section says so (:mod:`lmppo.quantize`)."""
     spec, source = _weights_source(model)
     try:
-        return AutoModelForCausalLM.from_pretrained(source.directory, **_from_pretrained_kwargs(spec, source))
+        lm = AutoModelForCausalLM.from_pretrained(source.directory, **_from_pretrained_kwargs(spec, source))
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         raise _load_error("a causal LM", source, err) from err
+    return quantize(lm, spec.quantize) if spec.quantize else lm
 
 
 def load_reward_model(model: ModelSource | str | os.PathLike, *, new_head: bool = False, pad_token_id=None):
@@ -236,7 +239,7 @@ def load_reward_model(model: ModelSource | str | os.PathLike, *, new_head: bool 
             f"{source} has no trained score head ({', '.join(untrained_head)} missing): it is not a reward "
             "model. Train one with `lmppo train-rm`, or point `reward.model.path` at a reward-model checkpoint."
         )
-    return freeze(scorer)
+    return freeze(quantize(scorer, spec.quantize) if spec.quantize else scorer)
 
 
 def _check_one_label(source: ResolvedSource) -> None:

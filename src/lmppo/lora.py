@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -17,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
 from lmppo.loading import freeze, renames_unannounced
+from lmppo.quantize import is_quantized
 
 
 def apply_lora(
@@ -39,7 +41,9 @@ def apply_lora(
     config = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": target_modules}
     if task_type is None:
         task_type = "SEQ_CLS" if type(model).__name__.endswith("ForSequenceClassification") else "CAUSAL_LM"
-    with renames_unannounced():
+    with renames_unannounced(), warnings.catch_warnings():
+        # on an int8 base peft warns that it cannot merge into it: lmppo never does (lmppo.run.dequantized)
+        warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated", UserWarning)
         return get_peft_model(model, LoraConfig(task_type=task_type, **config))
 
 
@@ -130,7 +134,8 @@ def mergeable_lora_layers(model: nn.Module) -> list[lora.Linear]:
     Folding needs fp32 base weights and no autocast: ``W + s B A`` rounded to 16 bits loses an update
     that is small against ``W`` (all of it at the start of training), so a 16-bit merged copy would sample
     from another policy than the one the update differentiates. FSDP2 owns its modules' parameters, and
-    DoRA's merged weight is not ``W + s B A``: neither is folded.
+    DoRA's merged weight is not ``W + s B A``: neither is folded, nor a quantized base (QLoRA) whose fold
+    would be a dequantized copy of every adapted weight.
     """
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     device_type = next(model.parameters()).device.type
@@ -146,6 +151,7 @@ def mergeable_lora_layers(model: nn.Module) -> list[lora.Linear]:
             or layer.merged
             or layer.disable_adapters
             or layer.get_base_layer().weight.dtype != torch.float32
+            or is_quantized(layer.get_base_layer().weight)
             or any(layer.use_dora.get(name) for name in layer.active_adapters)
         ):
             return []

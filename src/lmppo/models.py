@@ -30,6 +30,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from lmppo.errors import LmppoError
 from lmppo.loading import WEIGHT_SUFFIXES, ResolvedSource, file_sha256, renames_unannounced, weight_files
 from lmppo.lora import LoraReference, unwrap_model, with_lora, without_adapters
+from lmppo.quantize import quantization_of
 from lmppo.resolve import RoleSpec
 
 # --------------------------------------------------------------------------------------------------
@@ -95,6 +96,7 @@ def keep_freed_heap_memory() -> bool:
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc_trim(0)  # first return what loading freed (quantizing a model frees gigabytes of scratch)
     m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
     return bool(libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1))
 
@@ -266,6 +268,7 @@ class ModelIdentity:
     tokenizer_sha256: str | None
     chat_template_sha256: str | None
     dtype: str
+    quantized: str | None  # int8 / nf4: the scheme of its quantized linear weights (lmppo.quantize)
     num_parameters: int
     trainable_parameters: int
     shared_with: str | None  # role whose weights this model shares (LoRA reference, shared trunk)
@@ -296,6 +299,7 @@ def model_identity(
         tokenizer_sha256=tokenizer_sha256(tokenizer) if tokenizer is not None else None,
         chat_template_sha256=_text_sha256(json.dumps(template, sort_keys=True)) if template else None,
         dtype=str(params[0].dtype).removeprefix("torch."),
+        quantized=quantization_of(module),
         num_parameters=sum(p.numel() for p in params),
         trainable_parameters=0 if view else sum(p.numel() for p in params if p.requires_grad),
         shared_with=shared_with,

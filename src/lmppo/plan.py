@@ -27,7 +27,8 @@ from lmppo.errors import LmppoError
 from lmppo.loading import DTYPES, load_model_config, load_tokenizer, resolve_source, weight_files
 from lmppo.lora import with_lora
 from lmppo.models import make_value_model
-from lmppo.resolve import RoleSpec, RunSpec, resolve
+from lmppo.quantize import QUANTIZED_BYTES, quantizable_linears
+from lmppo.resolve import RoleSpec, RunSpec, frozen_sections, resolve
 from lmppo.rollout import prompt_room
 
 GIB = 2**30
@@ -99,12 +100,29 @@ class ModelRow:
     note: str = ""
     frozen_bytes_per_param: int = 4
     shards: int = 1  # ranks its weights, gradients and Adam moments are split over (FSDP2)
+    quantized: int = 0  # frozen parameters stored in `quantize`'s bits (lmppo.quantize)
+    quantize: str | None = None
+    offload: str = "none"  # frozen weights kept in host memory: "model" or "layers" (CUDA)
+    layers: int = 1  # decoder layers: what an offloaded pass brings over one at a time
+
+    @property
+    def stored_weights(self) -> int:
+        """Bytes of its weights wherever they are: frozen ones in their dtype or quantized, trained in fp32."""
+        frozen = self.parameters - self.trained - self.quantized
+        quantized = self.quantized * QUANTIZED_BYTES[self.quantize] if self.quantize else 0
+        return int(frozen * self.frozen_bytes_per_param + quantized + self.trained * 4) // self.shards
 
     @property
     def weights(self) -> int:
-        return (
-            (self.parameters - self.trained) * self.frozen_bytes_per_param + self.trained * 4
-        ) // self.shards
+        """Bytes of weights the device holds between passes."""
+        return 0 if self.offload != "none" else self.stored_weights
+
+    @property
+    def brought(self) -> int:
+        """Bytes an offloaded model brings to the device for its pass: whole, or one layer at a time."""
+        if self.offload == "none":
+            return 0
+        return self.stored_weights if self.offload == "model" else self.stored_weights // self.layers
 
     @property
     def grads(self) -> int:
@@ -113,6 +131,11 @@ class ModelRow:
     @property
     def adam(self) -> int:
         return self.trained * 8 // self.shards
+
+    @property
+    def host(self) -> int:
+        """Host bytes of its offloaded weights."""
+        return self.stored_weights if self.offload != "none" else 0
 
     def gathered(self, act_bytes: int) -> int:
         """Bytes of the whole model gathered for a pass (FSDP2): trained weights in the compute dtype,
@@ -143,6 +166,11 @@ class MemoryPlan:
     @property
     def static(self) -> int:
         return sum(row.total for row in self.models)
+
+    @property
+    def host(self) -> int:
+        """Host bytes of the frozen models' offloaded weights on one rank."""
+        return sum(row.host for row in self.models)
 
     @property
     def retained(self) -> int:
@@ -188,9 +216,9 @@ def _counts(module) -> tuple[int, int]:
 
 
 def conversion_bytes(spec: ModelSource) -> int:
-    """Host bytes of the weight files a 16-bit load reads while it converts them (their pages stay resident
-    next to the converted copy until the load ends); 0 when the weights are used as stored."""
-    if spec.dtype == "float32":
+    """Host bytes of the weight files a 16-bit or quantized load reads while it converts them (their pages
+    stay resident next to the converted copy until the load ends); 0 when the weights are used as stored."""
+    if spec.dtype == "float32" and not spec.quantize:
         return 0
     return sum(path.stat().st_size for path in weight_files(resolve_source(spec)))
 
@@ -203,14 +231,17 @@ def model_rows(cfg: Config, spec: RunSpec) -> tuple[list[ModelRow], dict[str, Sh
     # the context check the rollout makes, before any figure: a response longer than the window is no OOM
     context = getattr(policy_config, "max_position_embeddings", None)
     prompt_room(context, cfg.rollout.max_new_tokens, cfg.data.max_prompt_length)
-    policy = with_lora(_meta_model(policy_config), spec.policy.lora)
+    base = _meta_model(policy_config)
+    quantized = quantized_count(base, spec.policy)
+    policy = with_lora(base, spec.policy.lora)
     shapes = {"policy": Shape.of(policy_config)}
-    rows = [_row(spec.policy, *_counts(policy))]
+    rows = [_row(spec.policy, *_counts(policy), quantized)]
     conversions = [conversion_bytes(spec.policy.source)]
 
     reference = spec.reference
     if reference.source is not None:
-        rows.append(_row(reference, _counts(_meta_model(load_model_config(reference.source)))[0], 0))
+        model = _meta_model(load_model_config(reference.source))
+        rows.append(_row(reference, _counts(model)[0], 0, quantized_count(model, reference)))
         conversions.append(conversion_bytes(reference.source))
     else:  # the policy's view (no weights of its own) or a copy of its starting weights
         rows.append(_row(reference, 0 if reference.shares else rows[0].parameters, 0))
@@ -222,7 +253,7 @@ def model_rows(cfg: Config, spec: RunSpec) -> tuple[list[ModelRow], dict[str, Sh
             continue
         reward_config = load_model_config(role.source)
         frozen = _meta_model(reward_config, reward=True).requires_grad_(False)
-        rows.append(_row(role, _counts(frozen)[0], 0))
+        rows.append(_row(role, _counts(frozen)[0], 0, quantized_count(frozen, role)))
         conversions.append(conversion_bytes(role.source))
         shapes[role.role] = Shape.of(reward_config)
         if first_reward_model is None:
@@ -239,9 +270,30 @@ def model_rows(cfg: Config, spec: RunSpec) -> tuple[list[ModelRow], dict[str, Sh
     return rows, shapes, max(conversions)
 
 
-def _row(role: RoleSpec, params: int, trained: int) -> ModelRow:
+def quantized_count(model, role: RoleSpec) -> int:
+    """Parameters of ``model`` (before any LoRA) that ``role`` stores quantized."""
+    if not role.quantize:
+        return 0
+    return sum(linear.weight.numel() for _, linear in quantizable_linears(model))
+
+
+def _row(role: RoleSpec, params: int, trained: int, quantized: int = 0) -> ModelRow:
     size = DTYPES[role.dtype].itemsize if role.dtype in DTYPES else 4
-    return ModelRow(role.role, params, role.dtype, trained, role.note, size, role.shards)
+    dtype = f"{role.quantize} + {role.dtype}" if role.quantize else role.dtype
+    layers = load_model_config(role.source).num_hidden_layers if role.offload == "layers" else 1
+    return ModelRow(
+        role.role,
+        params,
+        dtype,
+        trained,
+        role.note,
+        size,
+        role.shards,
+        quantized,
+        role.quantize,
+        role.offload,
+        layers,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -298,6 +350,11 @@ def phase_bytes(
             rm_tokens = source.batch_tokens or min(source.batch_size, batch) * (source.max_length or length)
             stored = max(stored, rm_tokens * shape.working_per_token(act))
 
+    brought = max((row.brought for row in rows), default=0)  # an offloaded model, on the device for its pass
+    if brought:
+        stored += brought
+        stored_how += f" + an offloaded model's weights brought over: {size(brought)}"
+
     # Update: the saved activations of one micro-batch (policy and a separate critic), its logits with
     # their gradient, autocast's bf16 copies of trained weights and, under DDP, the gradient buckets.
     minibatch_rows = max(cfg.ppo.minibatch_size // world_size, 1)
@@ -348,7 +405,8 @@ def _rollout_bytes(
     kv = 2 * policy.layers * policy.kv_width * act * batch * length
     rollout = kv + batch * prompt_tokens * policy.working_per_token(act) + batch * policy.vocab * 16
     rollout_how = f"KV cache of {batch} x {length} tokens: {size(kv)}"
-    if cfg.models.policy_lora.enabled and precision == "fp32" and by_role["policy"].shards == 1:
+    lora = cfg.models.policy_lora.enabled and not cfg.models.policy.quantize  # a quantized base is not folded
+    if lora and precision == "fp32" and by_role["policy"].shards == 1:
         merged = 4 * policy.adapted_weights(cfg.models.policy_lora.target_modules)
         rollout += merged  # the decode loop's folded copy of the adapted weights (models.lora_merged)
         rollout_how += f" + LoRA folded into a copy of the adapted weights: {size(merged)}"
@@ -426,7 +484,7 @@ def memory_plan(
     prompt_tokens = prompt_tokens or longest_prompt(cfg)
     phases, details = phase_bytes(cfg, rows, shapes, precision, prompt_tokens, spec.world_size)
     if device == "cpu" and conversion:  # on CUDA the files are read into host memory, not the GPU's
-        phases["loading"], details["loading"] = conversion, "weight files read while converting to 16 bits"
+        phases["loading"], details["loading"] = conversion, "weight files read while converting them"
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else process_rss()  # GPU memory is not the process's RSS
     ranks_per_device = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device == "cpu" else 1
     return MemoryPlan(
@@ -444,45 +502,73 @@ def memory_plan(
     )
 
 
-def remedies(cfg: Config, plan: MemoryPlan) -> list[tuple[str, int]]:
-    """Config changes that shrink the plan, with the bytes each saves per rank, largest first."""
-    candidates = []
+def ladder(cfg: Config, device: str) -> list[list[str]]:
+    """The seeds' memory ladder as overrides, in their order, for the rungs this run has not taken: drop
+    the critic, LoRA, quantize the frozen pair, offload (CUDA), then FSDP2 (:func:`remedies` adds ranks)."""
+    rungs = []
+    if cfg.ppo.advantage == "gae" and cfg.run.algorithm == "ppo":
+        rungs.append(["ppo.advantage=reinforce_pp"])
     if not cfg.models.policy_lora.enabled:
-        candidates.append("models.policy_lora.enabled=true")
-    if plan.precision == "fp32":
-        candidates.append("run.precision=bf16")
-    if not cfg.ppo.gradient_checkpointing:
-        candidates.append("ppo.gradient_checkpointing=true")
-    if cfg.ppo.advantage == "gae":  # the seeds' first rung: cut the critic
-        candidates.append("ppo.advantage=reinforce_pp")
-        if cfg.models.value.mode == "separate" and not cfg.models.value.lora.enabled:
-            candidates.append("models.value.mode=shared")
+        rungs.append(["models.policy_lora.enabled=true"])
+    quantize = [f"{key}.quantize=int8" for key, section in frozen_sections(cfg) if not section.quantize]
+    if cfg.models.policy_lora.enabled and not cfg.models.policy.quantize:
+        quantize.append("models.policy.quantize=nf4")  # QLoRA: the base the reference runs on too
+    elif cfg.models.reference is None and not cfg.models.policy_lora.enabled:  # its own quantized copy
+        quantize += [f"models.reference.path={cfg.models.policy.path}", "models.reference.quantize=int8"]
+        if cfg.models.policy.gguf_file:
+            quantize.append(f"models.reference.gguf_file={cfg.models.policy.gguf_file}")
+    if quantize:
+        rungs.append(quantize)
+    if device == "cuda":
+        offload = [
+            f"{key}.offload=model" for key, section in frozen_sections(cfg) if section.offload == "none"
+        ]
+        rungs += [offload] if offload else []
+    return rungs
+
+
+def remedies(cfg: Config, plan: MemoryPlan) -> list[tuple[str, int]]:
+    """Config changes that shrink the plan, with the bytes each saves per rank: the memory ladder's rungs in
+    the seeds' order (:func:`ladder`, FSDP2 ranks last), then the other knobs, largest saving first."""
+    rungs = ladder(cfg, plan.device)
     if plan.world_size > 1 and cfg.distributed.strategy == "ddp":
-        candidates.append("distributed.strategy=fsdp2")
-    update_tokens = plan.phases["update"]
-    if update_tokens == max(plan.phases.values()):
+        rungs.append(["distributed.strategy=fsdp2"])
+    knobs = []
+    if plan.precision == "fp32":
+        knobs.append(["run.precision=bf16"])
+    if not cfg.ppo.gradient_checkpointing:
+        knobs.append(["ppo.gradient_checkpointing=true"])
+    if (
+        cfg.ppo.advantage == "gae"
+        and cfg.models.value.mode == "separate"
+        and not cfg.models.value.lora.enabled
+    ):
+        knobs.append(["models.value.mode=shared"])
+    if plan.phases["update"] == max(plan.phases.values()):
         budget = max(
             64, (cfg.ppo.micro_batch_tokens or cfg.ppo.minibatch_size * cfg.rollout.max_new_tokens) // 4
         )
-        candidates.append(f"ppo.micro_batch_tokens={budget}")
+        knobs.append([f"ppo.micro_batch_tokens={budget}", "ppo.micro_batch_size=null"])
     if plan.phases["stored passes"] == max(plan.phases.values()):
-        candidates.append(
-            f"rollout.forward_batch_size={max(1, (cfg.rollout.forward_batch_size or cfg.rollout.batch_size) // 4)}"
-        )
-    saved = []
-    for change in candidates:
-        overrides = [change]
-        if "micro_batch_tokens" in change:  # a budget replaces a row count
-            overrides.append("ppo.micro_batch_size=null")
-        if "forward_batch_tokens" in change:
-            overrides.append("rollout.forward_batch_size=null")
+        rows = max(1, (cfg.rollout.forward_batch_size or cfg.rollout.batch_size) // 4)
+        knobs.append([f"rollout.forward_batch_size={rows}"])
+    ladder_saved = [(change, saving) for change in rungs if (saving := _saving(cfg, plan, change))]
+    knob_saved = [(change, saving) for change in knobs if (saving := _saving(cfg, plan, change))]
+    return [(" ".join(c), saving) for c, saving in [*ladder_saved, *sorted(knob_saved, key=lambda i: -i[1])]]
+
+
+def _saving(cfg: Config, plan: MemoryPlan, overrides: list[str]) -> int:
+    """Bytes per rank the plan loses with ``overrides`` applied; 0 when under 1 % (not worth naming) or
+    when the changed config is refused (a rung this run cannot take)."""
+    try:
         changed = load_config(base=cfg.model_dump(mode="json"), overrides=overrides)
         smaller = memory_plan(
             changed, world_size=plan.world_size, available=plan.available, device=plan.device
         )
-        if plan.needed_per_rank - smaller.needed_per_rank > plan.needed_per_rank / 100:  # worth naming
-            saved.append((change, plan.needed_per_rank - smaller.needed_per_rank))
-    return sorted(saved, key=lambda item: -item[1])
+    except LmppoError:
+        return 0
+    saved = plan.needed_per_rank - smaller.needed_per_rank
+    return saved if saved > plan.needed_per_rank / 100 else 0
 
 
 def check_plan(cfg: Config, spec: RunSpec, force: bool = False) -> MemoryPlan:
@@ -523,7 +609,9 @@ def plan_report(plan: MemoryPlan) -> Group:
         title=f"memory plan per rank: {plan.device}, {plan.precision}, {plan.world_size} rank(s)"
         + (", FSDP2 (each rank's shards)" if sharded else "")
     )
-    for column in ("model", "params", "dtype", "trained", "weights", "grads+Adam", "total"):
+    columns = ["model", "params", "dtype", "trained", "weights", "grads+Adam", "total"]
+    columns += ["host"] if plan.host else []  # offloaded weights and optimizer state
+    for column in columns:
         models.add_column(column, justify="left" if column in ("model", "dtype") else "right")
     for row in plan.models:
         share = f"{row.trained / row.parameters:.1%}" if row.parameters else "-"
@@ -538,6 +626,7 @@ def plan_report(plan: MemoryPlan) -> Group:
             size(row.weights),
             size(row.grads + row.adam),
             size(row.total),
+            *([size(row.host)] if plan.host else []),
         )
     phases = Table(title="one step (the phases follow one another: the largest counts)")
     for column in ("phase", "memory", "sized by"):
@@ -552,6 +641,8 @@ def plan_report(plan: MemoryPlan) -> Group:
         + f" + process {size(plan.runtime)}"
         + (" (the CUDA context, outside torch's max_memory_allocated)" if plan.device == "cuda" else "")
     ]
+    if plan.host:
+        lines.append(f"offloaded to host memory per rank: {size(plan.host)} (not in the device's peak)")
     if plan.available is not None:
         ranks = f" for {plan.ranks_per_device} ranks" if plan.ranks_per_device > 1 else ""
         verdict = "[green]fits[/]" if plan.fits else "[bold red]does NOT fit[/]"

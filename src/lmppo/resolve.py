@@ -16,6 +16,7 @@ import torch
 
 from lmppo.config import Config, LoraConfig, ModelSource, RewardConfig
 from lmppo.errors import LmppoError
+from lmppo.quantize import require_torchao
 
 Trained = Literal["all", "lora", "head", "none"]  # what of a model the optimizer steps
 
@@ -41,6 +42,15 @@ class RoleSpec:
     shards: int = 1  # ranks FSDP2 splits its weights (and gradients, Adam moments) over
 
     @property
+    def quantize(self) -> str | None:
+        """``int8`` / ``nf4`` when its own linear weights are stored quantized (lmppo.quantize)."""
+        return self.source.quantize if self.source is not None else None
+
+    @property
+    def offload(self) -> str:
+        return self.source.offload if self.source is not None else "none"
+
+    @property
     def note(self) -> str:
         """How it is made, in a few words (the plan's table)."""
         lora = f"LoRA r{self.lora.r}" if self.lora else ""
@@ -51,7 +61,8 @@ class RoleSpec:
         if self.copy_of:
             return "a copy"
         made = f"from {self.init_from}" if self.init_from else ""
-        return ", ".join(filter(None, [lora, made]))
+        offloaded = f"offloaded: {self.offload}" if self.offload != "none" else ""
+        return ", ".join(filter(None, [lora, made, offloaded]))
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,7 @@ def resolve(
     policy = policy_role(cfg, precision, trained_shards)
     rewards = reward_roles(cfg.reward, precision, frozen_shards)
     critic = cfg.run.algorithm == "ppo" and cfg.ppo.advantage == "gae"
+    check_memory_rungs(cfg, device, trained_shards, frozen_shards, critic)
     return RunSpec(
         device=device,
         precision=precision,
@@ -182,8 +194,11 @@ def policy_role(cfg: Config, precision: str, shards: int = 1) -> RoleSpec:
 
 
 def frozen_policy_source(cfg: Config, spec: RunSpec) -> ModelSource:
-    """``models.policy`` to load for evaluation only: frozen, so in the frozen dtype of the run's precision."""
-    return settled_dtype(cfg.models.policy, "models.policy", precision=spec.precision, trained=False)
+    """``models.policy`` to load for evaluation only: frozen, so in the frozen dtype of the run's precision,
+    and unquantized (a QLoRA run's ``final/`` is its base's own weights plus the adapters' update, and the
+    start it is compared with is that base as the user gave it)."""
+    source = settled_dtype(cfg.models.policy, "models.policy", precision=spec.precision, trained=False)
+    return source.model_copy(update={"quantize": None})
 
 
 def reference_role(cfg: Config, precision: str, policy: RoleSpec, shards: int = 1) -> RoleSpec:
@@ -261,6 +276,73 @@ def check_distributed(cfg: Config, world_size: int) -> None:
                 f"{name}={size} is a global size and must be divisible by the {world_size} ranks; "
                 f"set it to a multiple of {world_size} or change --nproc-per-node"
             )
+
+
+def frozen_sections(cfg: Config) -> list[tuple[str, ModelSource]]:
+    """The frozen models' own sections, by config key: the reference and each reward model."""
+    sections = [("models.reference", cfg.models.reference)]
+    named = bool(cfg.reward.components)
+    for i, source in enumerate(cfg.reward.sources()):
+        sections.append((f"reward.components.{i}.model" if named else "reward.model", source.model))
+    return [(key, section) for key, section in sections if section is not None]
+
+
+def check_memory_rungs(
+    cfg: Config, device: torch.device, trained_shards: int, frozen_shards: int, critic: bool
+):
+    """Quantized and offloaded models where they can be: quantized weights are frozen and whole (no FSDP2
+    shards, no vLLM copy, no trained critic copied from them); offloading is for a CUDA device."""
+    policy = cfg.models.policy
+    if policy.quantize and not cfg.models.policy_lora.enabled:
+        raise LmppoError(
+            f"models.policy.quantize={policy.quantize} would train quantized weights; quantize the base of a "
+            "LoRA policy (QLoRA: models.policy_lora.enabled=true), or remove the key"
+        )
+    if policy.offload != "none":
+        raise LmppoError(
+            "models.policy.offload: the policy is trained, so its weights stay on the device; offload the "
+            "frozen models instead (models.reference.offload, reward.model.offload), or shrink what is trained "
+            "(models.policy_lora.enabled=true)"
+        )
+    quantized = [(k, s) for k, s in [("models.policy", policy), *frozen_sections(cfg)] if s.quantize]
+    for key, section in quantized:
+        require_torchao(f"{key}.quantize")
+        shards = trained_shards if key == "models.policy" else frozen_shards
+        if shards > 1:
+            raise LmppoError(
+                f"{key}.quantize={section.quantize}: FSDP2 does not shard quantized weights here; keep the "
+                "frozen models whole on each rank (distributed.shard_frozen=false) and the QLoRA policy under "
+                "distributed.strategy=ddp, or remove the key"
+            )
+    if policy.quantize and cfg.rollout.engine == "vllm":
+        raise LmppoError(
+            "models.policy.quantize: the vLLM engine receives the policy's weights every step and takes no "
+            "quantized ones from lmppo; use rollout.engine=hf with a quantized policy base"
+        )
+    if critic and cfg.models.value.mode == "separate":
+        base = policy if cfg.models.value.init_from == "policy" else first_reward_model(cfg)
+        if base is not None and base.quantize:
+            raise LmppoError(
+                f"models.value.init_from={cfg.models.value.init_from} copies a quantized model into the trained "
+                "critic; use models.value.mode=shared (a head on the policy's trunk), init the critic from the "
+                "other model, or a critic-free ppo.advantage"
+            )
+    offloaded = [f"{key}.offload" for key, s in frozen_sections(cfg) if s.offload != "none"]
+    if offloaded and device.type != "cuda":
+        raise LmppoError(
+            f"{', '.join(offloaded)}: offloading moves a frozen model's weights from a GPU's memory to host "
+            f"memory, and this run is on {device.type}, where they are in host memory already; remove the key"
+        )
+    if offloaded and max(trained_shards, frozen_shards) > 1:
+        raise LmppoError(
+            f"{', '.join(offloaded)}: under FSDP2 the models are split over the ranks instead; offload in "
+            "a DDP or single-process run, or remove the key"
+        )
+
+
+def first_reward_model(cfg: Config) -> ModelSource | None:
+    """The first reward model's section (a separate critic's backbone with init_from=reward)."""
+    return next((s.model for s in cfg.reward.sources() if s.model is not None), None)
 
 
 def check_engine(cfg: Config, world_size: int) -> None:

@@ -13,6 +13,7 @@ import random
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -54,7 +55,7 @@ from lmppo.metrics import METRICS_FILE, MetricsLogger, ProgressDisplay, read_met
 from lmppo.models import PPOModels, keep_freed_heap_memory
 from lmppo.plan import MemoryPlan, check_plan
 from lmppo.preflight import Preflight, run_preflight, summary_line, write_preflight_json
-from lmppo.resolve import RunSpec, resolve, resolve_device
+from lmppo.resolve import RunSpec, policy_role, resolve, resolve_device
 from lmppo.sft import sft_batch
 from lmppo.trainer_state import apply_changed_settings, load_state_payload, save_trainer_checkpoint
 
@@ -146,8 +147,6 @@ def _train(
 ) -> Path:
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    if device.type == "cpu":
-        keep_freed_heap_memory()  # no page faults on every step's large tensors
     spec = resolve(cfg, device=device, world_size=dist_info.world_size)  # every check before anything heavy
     with owning(Path(cfg.run.output_dir), dist_info):
         checkpoint = _checkpoint_to_resume(Path(cfg.run.output_dir), resume, dist_info)
@@ -195,6 +194,8 @@ class PPORun:
         self.run_dir, self.resumed = Path(cfg.run.output_dir), False
         seed_everything(cfg.run.seed)  # every rank builds the same models (fresh heads, LoRA adapters)
         self.models = models = load_models(cfg, spec)
+        if spec.device.type == "cpu":  # after loading: what loading and quantizing free goes back at once
+            keep_freed_heap_memory()  # no page faults on every step's large tensors
         located_prompts = load_located_prompts(cfg.data.prompts, cfg.data.split)
         self.prompts = [prompt for _, prompt in located_prompts]
         self.trainer = build_trainer(
@@ -549,11 +550,24 @@ def reward_summary(cfg: Config) -> str:
     return " + ".join(parts) + gated
 
 
+def dequantized(policy: PeftModel, cfg: Config) -> PeftModel:
+    """A QLoRA policy's adapters on its base loaded again unquantized, so the saved model is the base's own
+    weights plus the adapters' update (a quantized base would round that update away); any other policy
+    as it is."""
+    if not cfg.models.policy.quantize:
+        return policy
+    role = policy_role(cfg, "fp32")
+    plain = load_policy(replace(role, source=role.source.model_copy(update={"quantize": None})))
+    adapters = {name: p.detach().cpu() for name, p in policy.named_parameters() if p.requires_grad}
+    plain.load_state_dict(adapters, strict=False)
+    return plain
+
+
 def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config, which: str = "") -> Path:
     """The trained policy as a plain transformers directory, with our decoding settings and a model card;
     ``which`` says which of the run's policies it is when not the last (``best/``)."""
     if isinstance(policy, PeftModel):
-        policy = policy.merge_and_unload()  # training is over: fold the adapter into the weights
+        policy = dequantized(policy, cfg).merge_and_unload()  # training is over: fold the adapter in
     policy.generation_config = GenerationConfig(
         do_sample=True,
         temperature=cfg.rollout.temperature,
