@@ -190,14 +190,8 @@ def test_the_remedies_climb_the_seeds_ladder_in_order(quantized_files):
 def test_lmppo_eval_compares_the_unquantized_start_with_the_exported_policy(run_files):
     from lmppo.resolve import frozen_policy_source
 
-    cfg = load_config(run_files, ["models.policy.quantize=nf4", "models.policy_lora.enabled=true"])
-    cfg = cfg.model_copy(
-        update={
-            "models": cfg.models.model_copy(
-                update={"value": cfg.models.value.model_copy(update={"mode": "shared"})}
-            )
-        }
-    )
+    overrides = ["models.policy.quantize=nf4", "models.policy_lora.enabled=true", "models.value.mode=shared"]
+    cfg = load_config(run_files, overrides)
     assert frozen_policy_source(cfg, resolve(cfg, device="cpu")).quantize is None
 
 

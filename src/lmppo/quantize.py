@@ -121,12 +121,7 @@ def quantization_of(model: nn.Module) -> str | None:
 
 def quantized_weight_bytes(model: nn.Module) -> int:
     """Bytes of the quantized weights as stored: their inner tensors (data, scales)."""
-    total = 0
-    for param in model.parameters():
-        if is_quantized(param):
-            inner, _ = param.__tensor_flatten__()
-            total += sum(_tensor_bytes(getattr(param, name)) for name in inner)
-    return total
+    return sum(_tensor_bytes(param) for param in model.parameters() if is_quantized(param))
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
