@@ -74,6 +74,9 @@ VARIANTS = {  # lmppo set-ups that change the models: their own rows, never in t
 REAL_VARIANTS = {  # the real model's variant rows; lmppo-vllm runs in the vLLM environment (.venv-vllm)
     "lmppo-shared": {"models": {"value": {"mode": "shared"}}},
     "lmppo-vllm": {"rollout": {"engine": "vllm"}},
+    # bf16 autocast with fp32 masters, and fp32 whose matmuls round their inputs to bf16 (oneDNN)
+    "lmppo-bf16": {"run": {"precision": "bf16"}},
+    "lmppo-fast-fp32": {"run": {"fp32_matmul_precision": "medium"}},
 }
 VLLM_PYTHON = HERE.parent / ".venv-vllm" / "bin" / "python"
 
@@ -101,6 +104,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also time `lmppo quickstart` (the whole toy pipeline) end to end",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="lmppo rows: profile one more step after the timed ones (untimed): self time in matrix products, "
+        "attention, other ops, and outside ops (Python and dispatch)",
     )
     p.add_argument("--work-dir", default=".cache/bench", help="built models and run outputs")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one repetition of this impl
@@ -175,14 +184,16 @@ class PhaseClock:
         self.seconds: dict[str, float] = {}
 
     def wrap(self, phase, fn):
+        import torch
+
         choose = phase if callable(phase) else (lambda *a, **k: phase)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
+            name, start = choose(*args, **kwargs), time.perf_counter()
+            try:  # the marker lets a profiled step attribute each op to its phase (near free otherwise)
+                with torch.profiler.record_function(PHASE_MARK + name):
+                    return fn(*args, **kwargs)
             finally:
-                name = choose(*args, **kwargs)
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
         return timed
@@ -198,6 +209,64 @@ def merged(base: dict, extra: dict) -> dict:
     for key, value in extra.items():
         out[key] = merged(base.get(key, {}), value) if isinstance(value, dict) else value
     return out
+
+
+PHASE_MARK = "phase:"  # PhaseClock's profiler markers
+PROFILE_SPLIT = ("matmul", "attention", "other_ops", "outside_ops")
+MATMUL_OPS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::_weight_int8pack_mm",
+    "aten::_int_mm",
+}
+
+
+def op_category(name: str) -> str:
+    """Where an op's self time goes: matrix products, attention (SDPA's fused kernels), or the rest."""
+    if name in MATMUL_OPS:
+        return "matmul"
+    if "scaled_dot_product" in name or "flash_attention" in name:
+        return "attention"
+    return "other_ops"
+
+
+def profiled_step(step) -> dict:
+    """One ``step()`` under torch's profiler: its wall seconds split into self time of matrix products,
+    attention and other ops, and the time outside any op (Python, dispatch), in all and per phase (the
+    :class:`PhaseClock` markers), with the 12 costliest other ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    wall = time.perf_counter() - start
+    per_phase: dict[str, dict[str, float]] = {}
+    others: dict[str, list] = {}
+    for event in prof.events():
+        phase, parent = "other", event
+        while parent is not None and not parent.name.startswith(PHASE_MARK):
+            parent = parent.cpu_parent
+        if parent is not None:
+            phase = parent.name.removeprefix(PHASE_MARK)
+        category = "outside_ops" if event.name.startswith(PHASE_MARK) else op_category(event.name)
+        split = per_phase.setdefault(phase, dict.fromkeys(PROFILE_SPLIT, 0.0))
+        split[category] += event.self_cpu_time_total / 1e6
+        if category == "other_ops":
+            seen = others.setdefault(event.name, [0.0, 0])
+            seen[0], seen[1] = seen[0] + event.self_cpu_time_total / 1e6, seen[1] + 1
+    # time outside every phase marker and every op: Python outside the instrumented phases
+    unmarked = wall - sum(sum(split.values()) for split in per_phase.values())
+    per_phase.setdefault("other", dict.fromkeys(PROFILE_SPLIT, 0.0))["outside_ops"] += unmarked
+    total = {k: sum(split[k] for split in per_phase.values()) for k in PROFILE_SPLIT}
+    top = sorted(others.items(), key=lambda item: -item[1][0])[:12]
+    return {
+        "wall_s": round(wall, 3),
+        **{k: round(v, 3) for k, v in total.items()},
+        "phases": {p: {k: round(v, 3) for k, v in split.items()} for p, split in per_phase.items()},
+        "top_other_ops": [{"op": k, "seconds": round(s, 3), "calls": n} for k, (s, n) in top],
+    }
 
 
 def setup_of(size: str, impl: str) -> dict:
@@ -220,10 +289,8 @@ def world_dir(args, size: str) -> Path:
     return build_world(spec, models / spec.name)
 
 
-def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[dict], list, int]:
-    import torch
-
-    from lmppo import trainer as trainer_module
+def lmppo_trainer(args, world: Path):
+    """The lmppo trainer of one row (``args.worker`` names the variant), set up as ``lmppo ppo`` would."""
     from lmppo.build import build_trainer, load_models
     from lmppo.config import load_config
     from lmppo.data import load_prompts
@@ -248,7 +315,12 @@ def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], lis
             "lr": MATCHED["lr"],
         },
         "kl": {"beta": MATCHED["kl_coef"], "estimator": "k1"},
-        "run": {"seed": MATCHED["seed"], "device": "cpu", "steps": args.warmup + args.steps},
+        "run": {
+            "seed": MATCHED["seed"],
+            "device": "cpu",
+            "precision": "fp32",
+            "steps": args.warmup + args.steps,
+        },
     }
     if setup["real"]:
         base["models"]["policy_lora"] = LORA
@@ -257,7 +329,15 @@ def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], lis
     keep_freed_heap_memory()  # as `lmppo ppo` does on CPU
     seed_everything(cfg.run.seed)
     spec = resolve(cfg, device="cpu")
-    trainer = build_trainer(cfg, spec, load_models(cfg, spec), load_prompts(cfg.data.prompts))
+    return build_trainer(cfg, spec, load_models(cfg, spec), load_prompts(cfg.data.prompts))
+
+
+def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[dict], list, int, dict]:
+    import torch
+
+    from lmppo import trainer as trainer_module
+
+    trainer = lmppo_trainer(args, world)
 
     lengths: list[tuple[int, int]] = []  # (prompt, response) tokens of every row generated
     generate = trainer.generator.generate
@@ -282,10 +362,15 @@ def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], lis
         trainer.step()
         step_seconds.append(time.perf_counter() - start)
         phases.append(clock.take())
-    return step_seconds, phases, lengths, sum(p.numel() for p in trainer.policy.parameters())
+    extra = {}
+    if args.profile:
+        extra["profile"] = profiled_step(trainer.step)
+        clock.take()
+        del lengths[len(lengths) - args.batch :]  # the profiled step is not a timed one
+    return step_seconds, phases, lengths, sum(p.numel() for p in trainer.policy.parameters()), extra
 
 
-def trl_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[dict], list, int]:
+def trl_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[dict], list, int, dict]:
     import gc
 
     import torch
@@ -401,7 +486,7 @@ def trl_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[
     trainer.accelerator.backward = clock.wrap("backward", trainer.accelerator.backward)
     trainer.optimizer.step = clock.wrap("optimizer", trainer.optimizer.step)
     trainer.train()
-    return step_seconds, phases, lengths, sum(p.numel() for p in policy.parameters())
+    return step_seconds, phases, lengths, sum(p.numel() for p in policy.parameters()), {}
 
 
 def run_worker(args) -> None:
@@ -414,7 +499,7 @@ def run_worker(args) -> None:
     peak = matmul_peak_gflops()
     load_before = os.getloadavg()[0]
     worker = trl_worker if args.worker == "trl" else lmppo_worker
-    step_seconds, phases, lengths, params = worker(args, world, PhaseClock())
+    step_seconds, phases, lengths, params, extra = worker(args, world, PhaseClock())
     peak = max(peak, matmul_peak_gflops())  # best of before and after: other processes only lower it
     timed = slice(args.warmup, None)
     per_step = {p: statistics.fmean(s.get(p, 0.0) for s in phases[timed]) for p in PHASES if p != "other"}
@@ -439,6 +524,7 @@ def run_worker(args) -> None:
                 "load": [load_before, os.getloadavg()[0]],
                 "threads": torch.get_num_threads(),
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                **extra,
             }
         )
     )
@@ -480,6 +566,7 @@ def spawn(args, impl: str, size: str, batch: int, length: int) -> dict:
         str(args.warmup),
         "--work-dir",
         args.work_dir,
+        *(["--profile"] if args.profile else []),
     ]
     # PASSIVE: idle OpenMP threads sleep instead of spinning. On a machine shared with other jobs a
     # spinning team waits for a descheduled thread at every op (20x slower measured here); both
@@ -527,6 +614,7 @@ def summarise(runs: list[dict], batch: int) -> dict:
         "policy_params": runs[0]["policy_params"],
         "load_avg_1min": [round(x, 2) for r in runs for x in r["load"]],
         "omp_wait_policy": runs[0]["omp_wait_policy"],
+        **({"profile": runs[-1]["profile"]} if "profile" in runs[-1] else {}),
     }
 
 
@@ -580,6 +668,38 @@ def print_table(results: dict[str, dict]) -> None:
                 f"{r['train_gflops']:>10.1f} {100 * r['train_peak_fraction']:>5.0f} {r['peak_rss_mb']:>7.0f} | "
                 + " ".join(f"{r['phase_seconds'][p]:>7.3f}" for p in PHASES)
             )
+
+
+def print_profiles(results: dict[str, dict]) -> None:
+    """The profiled step of each lmppo row: where its wall time went, and the costliest other ops."""
+    for size, result in results.items():
+        for impl, r in result.items():
+            profile = r.get("profile") if isinstance(r, dict) else None
+            if profile is None:
+                continue
+            wall = profile["wall_s"]
+            split = ", ".join(
+                f"{k} {profile[k]:.2f} s ({100 * profile[k] / wall:.0f} %)" for k in PROFILE_SPLIT
+            )
+            print(f"profile {size} {impl}: {wall:.2f} s = {split}")
+            for phase, seconds in profile["phases"].items():
+                print(f"  {phase:<15} " + " ".join(f"{k} {seconds[k]:6.2f}" for k in PROFILE_SPLIT))
+            print(
+                "  "
+                + "; ".join(f"{o['op']} {o['seconds']:.2f} s x{o['calls']}" for o in profile["top_other_ops"])
+            )
+
+
+def cpu_flags() -> str:
+    """The CPU's name and the flags that decide matmul speed by dtype (AMX: fast bf16; AVX-512 BF16)."""
+    try:
+        info = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or platform.machine()
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    flags = set(fields.get("Flags", "").split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return f"{fields.get('Model name', '?').strip()}; " + " ".join(f for f in wanted if f in flags)
 
 
 def sweep(args, impls: list[str]) -> list[dict]:
@@ -666,6 +786,7 @@ def main(argv=None) -> None:
     report = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+        "cpu_flags": cpu_flags(),
         "settings": {
             "batch": args.batch,
             "warmup": args.warmup,
@@ -688,7 +809,9 @@ def main(argv=None) -> None:
             )
             for size in sizes
         }
+        print(f"CPU: {report['cpu_flags']}")
         print_table(report["results"])
+        print_profiles(report["results"])
     if args.quickstart and not args.sweep:
         report["quickstart"] = time_quickstart(args)
     report["wall_s"] = round(time.time() - started, 1)

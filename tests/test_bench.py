@@ -58,15 +58,21 @@ def test_bench_runs_and_prints_the_json_line(tmp_path):
         "--variants",
         "",
         "--no-quickstart",
+        "--profile",
         "--work-dir",
         str(tmp_path),
     )
-    assert {"date", "machine", "settings", "results"} <= set(report)
+    assert {"date", "machine", "cpu_flags", "settings", "results"} <= set(report)
     lmppo = report["results"]["h128_l4"]["lmppo"]
     assert FIGURES <= set(lmppo)
     assert set(lmppo["phase_seconds"]) == PHASES
     assert lmppo["seconds_per_step"] > 0 and lmppo["peak_rss_mb"] > 0
     assert "trl" not in report["results"]["h128_l4"]  # not asked for: lmppo is reported alone
+    profile = lmppo["profile"]  # one more step under the profiler, split by phase and by kind of op
+    assert {"generation", "update_forward", "backward"} <= set(profile["phases"])
+    assert profile["matmul"] > 0 and profile["phases"]["backward"]["matmul"] > 0
+    split = sum(profile[k] for k in ("matmul", "attention", "other_ops", "outside_ops"))
+    assert split == pytest.approx(profile["wall_s"], abs=0.01)
 
 
 BENCH_DISTRIBUTED = BENCH.parent / "bench_distributed.py"

@@ -176,8 +176,9 @@ def test_chunked_logprobs_and_entropy_and_their_gradients_match_autograd(monkeyp
         torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=0)
 
 
-def test_token_logprobs_gradient_is_autograds_bit_for_bit():
-    """The update's log-prob gradient is the one autograd's gather - logsumexp gives: runs keep their bits."""
+def test_token_logprobs_are_autograds_bit_for_bit_and_so_is_the_gradient_up_to_softmax_rounding():
+    """The stored log-probs are autograd's gather - logsumexp bit for bit; the gradient reads ``p`` from one
+    fused softmax instead of ``exp(z - logsumexp(z))``, a last-bit difference."""
     gen = torch.Generator().manual_seed(5)
     logits = (torch.randn(4, 9, 50, generator=gen) * 3).requires_grad_()
     labels = torch.randint(0, 50, (4, 9), generator=gen)
@@ -187,7 +188,30 @@ def test_token_logprobs_gradient_is_autograds_bit_for_bit():
     assert torch.equal(chunked, composed)
     (expected,) = torch.autograd.grad((weights * composed).sum(), logits)
     (got,) = torch.autograd.grad((weights * chunked).sum(), logits)
-    assert torch.equal(got, expected)
+    torch.testing.assert_close(got, expected, atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_temperature_inside_the_sweep_equals_dividing_the_logits_first(dtype):
+    """Temperature and the float32 cast per chunk: the values and gradients of ``logits.float() / T``."""
+    gen = torch.Generator().manual_seed(6)
+    logits = (torch.randn(3, 5, 40, generator=gen) * 3).to(dtype).requires_grad_()
+    labels = torch.randint(0, 40, (3, 5), generator=gen)
+    weights = torch.randn(2, 3, 5, generator=gen)
+    outputs = (
+        core.token_logprobs_and_entropy(logits, labels, temperature=0.7),
+        composed_logprobs_and_entropy(logits.float() / 0.7, labels),
+    )
+    for got, expected in zip(*outputs):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    got, expected = (
+        torch.autograd.grad((weights[0] * logp).sum() + (weights[1] * entropy).sum(), logits)[0]
+        for logp, entropy in outputs
+    )
+    assert got.dtype == dtype
+    torch.testing.assert_close(
+        got.float(), expected.float(), atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0
+    )
 
 
 def test_kl_estimators_k3_nonnegative_and_k1_k3_share_expectation():

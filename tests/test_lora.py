@@ -8,7 +8,14 @@ import pytest
 import torch
 from helpers import logits
 
-from lmppo.lora import LoraReference, apply_lora, lora_merged, make_reference, mergeable_lora_layers
+from lmppo.lora import (
+    LoraReference,
+    apply_lora,
+    inputs_left_to_autocast,
+    lora_merged,
+    make_reference,
+    mergeable_lora_layers,
+)
 from lmppo.models import model_identity, trainable_parameters
 from lmppo.rollout import HFGenerator, sequence_logprobs
 
@@ -74,7 +81,7 @@ def test_lora_merged_decodes_like_the_adapter_and_leaves_the_base_untouched(poli
     torch.testing.assert_close(logits(policy), adapted, atol=0, rtol=0)  # the adapter runs again
     with pytest.raises(RuntimeError, match="inference"), lora_merged(policy):
         pass
-    # a 16-bit base, or autocast, would round the adapter's small update away: left as it is
+    # an fp32 base under autocast: the fold would be cast to bf16 at every op, so it is left as it is
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert mergeable_lora_layers(policy) == []
     assert mergeable_lora_layers(policy_model.__class__(policy_model.config)) == []  # no LoRA at all
@@ -90,3 +97,44 @@ def test_lora_and_checkpointing_print_no_third_party_deprecation_notes(policy_mo
         warnings.simplefilter("always")
         enable_gradient_checkpointing(apply_lora(policy_model, r=2, alpha=4))
     assert not [w for w in seen if issubclass(w.category, FutureWarning)], [str(w.message) for w in seen]
+
+
+def test_under_bf16_autocast_lora_inputs_are_not_cast_to_fp32_and_outputs_do_not_change(policy_model):
+    """peft casts a LoRA branch's input to the adapter's fp32 and autocast casts it straight back: the
+    same bf16 matmul, with two copies of every adapted linear's input fewer."""
+    policy_model.to(torch.bfloat16)
+    policy = apply_lora(policy_model, r=4, alpha=8, target_modules="all-linear").eval()
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    ids = torch.tensor([[5, 9, 11, 3, 7]])
+
+    def forward_and_copies():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.profiler.profile() as prof:
+                out = policy(input_ids=ids).logits
+        return out, sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+
+    cast, copies_cast = forward_and_copies()
+    inputs_left_to_autocast(policy)
+    left, copies_left = forward_and_copies()
+    assert torch.equal(left, cast)
+    assert copies_left < copies_cast
+
+
+def test_a_bf16_base_under_bf16_autocast_folds_within_bf16_rounding(policy_model):
+    policy_model.to(torch.bfloat16)
+    policy = apply_lora(policy_model, r=4, alpha=8, target_modules="all-linear").eval()
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        adapted = logits(policy).float()
+        assert mergeable_lora_layers(policy)
+        with lora_merged(policy):
+            merged = logits(policy).float()
+    assert not torch.equal(merged, adapted)  # rounded once more ...
+    torch.testing.assert_close(merged, adapted, atol=0.05, rtol=0.02)  # ... by bf16 steps
+    assert mergeable_lora_layers(policy) == []  # a bf16 base outside autocast: the matmuls would mix dtypes

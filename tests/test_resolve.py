@@ -148,3 +148,25 @@ def test_a_critic_free_run_plans_builds_and_records_no_value_model(run_files, mo
     models = load_models(cfg, spec)
     assert models.value is None and "value" not in models.identities
     assert models.trained == [models.policy]
+
+
+@pytest.mark.parametrize(
+    ("matmuls", "precision", "why"),
+    [
+        ("amx", "bf16", "CPU with AMX"),
+        ("avx512_bf16", "fp32", "run.precision=bf16 measured 1.2x faster"),
+        (None, "fp32", "without bf16 matrix instructions"),
+    ],
+)
+def test_auto_precision_on_a_cpu_is_bf16_where_it_has_amx_and_says_why(
+    monkeypatch, run_files, matmuls, precision, why
+):
+    monkeypatch.setattr("lmppo.resolve.cpu_bf16_matmuls", lambda: matmuls)
+    spec = resolve(load_config(run_files, ["run.precision=auto"]), device="cpu")
+    assert (spec.precision, spec.fp32_matmul_precision) == (precision, "highest")
+    assert why in spec.precision_reason
+    explicit = resolve(
+        load_config(run_files, ["run.precision=fp32", "run.fp32_matmul_precision=medium"]), device="cpu"
+    )
+    assert (explicit.precision, explicit.precision_reason) == ("fp32", "set by run.precision")
+    assert explicit.fp32_matmul_precision == "medium"

@@ -19,8 +19,9 @@ from lmppo.rollout import (
     Rollout,
     balanced_assignment,
     concat_rollouts,
-    policy_logits_and_values,
+    policy_logprobs_and_values,
     response_logits,
+    response_logprobs,
     response_mask_from_ids,
     sequence_logprobs,
     token_budget_groups,
@@ -477,21 +478,21 @@ def test_rollout_tensors_feed_the_update_with_autograd(policy_tokenizer, policy_
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_shared_trunk_gives_logits_and_values_from_one_backbone_pass(policy_tokenizer, policy_model, lora):
+def test_shared_trunk_gives_logprobs_and_values_from_one_backbone_pass(policy_tokenizer, policy_model, lora):
     policy = apply_lora(policy_model, r=2, alpha=4) if lora else policy_model
     rollout = generate(policy, policy_tokenizer, temperature=0.7)
     value_model = ValueModel.shared_trunk(policy)
     torch.nn.init.normal_(value_model.head.weight)
     calls = []
     hook = policy.get_decoder().register_forward_hook(lambda *_: calls.append(1))
-    logits, values = policy_logits_and_values(policy, value_model, rollout)
+    logp, entropy, values = policy_logprobs_and_values(policy, value_model, rollout)
     hook.remove()
     assert len(calls) == 1
     with torch.no_grad():
-        torch.testing.assert_close(logits, response_logits(policy, rollout))
+        torch.testing.assert_close((logp, entropy), response_logprobs(policy, rollout))
     stored, _ = value_predictions(value_model, rollout)
     torch.testing.assert_close(values.detach(), stored, atol=1e-5, rtol=0)
-    (logits.mean() + values.mean()).backward()
+    (logp.mean() + entropy.mean() + values.mean()).backward()
     assert all(p.grad is not None for p in trainable_parameters(policy, value_model))
 
 
@@ -560,3 +561,14 @@ def test_invalid_sampling_settings(policy_tokenizer, policy_model):
         HFGenerator(policy_model, policy_tokenizer, max_new_tokens=4, top_p=0.0)
     with pytest.raises(LmppoError, match="no prompts"):
         HFGenerator(policy_model, policy_tokenizer, max_new_tokens=4).generate([], policy_version=0)
+
+
+def test_the_prefill_projects_contiguous_rows_onto_the_vocabulary(policy_tokenizer, policy_model):
+    """``hidden[:, -1:]`` of a multi-token forward is a strided view, and a linear on it runs as a batched
+    matmul over an expanded copy of the LM head (100x slower in bf16): the loop hands it copied rows."""
+    inputs = []
+    hook = policy_model.lm_head.register_forward_pre_hook(lambda _, args: inputs.append(args[0]))
+    generate(policy_model, policy_tokenizer, max_new_tokens=3)
+    hook.remove()
+    assert len(inputs) >= 2 and inputs[0].shape[1] == 1
+    assert all(x.is_contiguous() for x in inputs)

@@ -22,7 +22,8 @@ from lmppo.checkpoint import (
 )
 from lmppo.config import load_config
 from lmppo.metrics import read_metrics
-from lmppo.run import ptx_batches
+from lmppo.resolve import resolve
+from lmppo.run import numerics_line, ptx_batches
 
 
 def test_ptx_batches_are_a_seeded_stream_of_demonstrations_per_rank(run_files, policy_tokenizer):
@@ -478,3 +479,10 @@ def test_reward_components_are_logged_apart_and_their_normalisation_resumes_exac
     )
     card = (run_files.parent / "straight" / "final" / "README.md").read_text()
     assert "good: 1 x" in card and "length: -0.1 x" in card
+
+
+def test_the_run_says_its_numerics_and_why(run_files):
+    spec = resolve(load_config(run_files, ["run.precision=fp32"]), device="cpu")
+    assert numerics_line(spec) == "precision fp32 on cpu: set by run.precision"
+    fast = resolve(load_config(run_files, ["run.fp32_matmul_precision=medium"]), device="cpu")
+    assert "fp32 matmuls medium" in numerics_line(fast) and "run.precision=auto" in numerics_line(fast)

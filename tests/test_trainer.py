@@ -87,6 +87,19 @@ def test_bf16_precision_runs_the_passes_in_bf16_and_keeps_fp32_masters():
     assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())
 
 
+def test_fast_fp32_is_set_process_wide_by_the_trainer_and_the_next_trainer_resets_it():
+    """run.fp32_matmul_precision is torch's global setting: each trainer sets its run's value."""
+    try:
+        trainer = toy_trainer("run.fp32_matmul_precision=medium", "ppo.ppo_epochs=1", "ppo.minibatch_size=8")
+        assert torch.get_float32_matmul_precision() == "medium"
+        metrics = trainer.step()
+        assert metrics["engine/logp_gap"] < 1e-2  # the decode loop and the update round alike
+        toy_trainer()
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
 def test_approx_kl_early_stop_cuts_the_epochs():
     trainer = toy_trainer("ppo.ppo_epochs=4", "ppo.target_approx_kl=1e-9", "ppo.lr=1e-2")
     trainer.step()  # the first step moves the policy; the second's first epoch overshoots the tiny target

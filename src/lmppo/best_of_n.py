@@ -20,7 +20,7 @@ from lmppo import core
 from lmppo.distributed import gathered
 from lmppo.metrics import timed
 from lmppo.models import checkpointing, trainable_parameters
-from lmppo.rollout import Rollout, rank_micro_batches, response_logits
+from lmppo.rollout import Rollout, rank_micro_batches, response_logprobs
 from lmppo.step_results import UpdateResult
 from lmppo.trainer import PPOTrainer
 
@@ -95,8 +95,7 @@ class BestOfNTrainer(PPOTrainer):
         for micro in micro_batches:
             mask = micro.response_mask
             with self.autocast(), checkpointing(self.train_module.checkpointed):
-                logits = response_logits(self.policy, micro, temperature=1.0)
-            logp, entropy = core.token_logprobs_and_entropy(logits, micro.response_ids)
+                logp, entropy = response_logprobs(self.policy, micro, temperature=1.0)
             share = mask.sum() / tokens  # the minibatch's token mean, accumulated over micro-batches
             loss = -core.masked_mean(logp, mask)
             (loss * share).backward()

@@ -19,7 +19,7 @@ from lmppo.data import Prompt, PromptStream
 from lmppo.distributed import CommCounter, data_parallel, shard_models
 from lmppo.errors import LmppoError
 from lmppo.loading import DTYPES, freeze, load_causal_lm, load_reward_model, load_tokenizer, resolve_source
-from lmppo.lora import make_reference, with_lora
+from lmppo.lora import inputs_left_to_autocast, make_reference, with_lora
 from lmppo.models import (
     PPOModels,
     ValueModel,
@@ -155,6 +155,8 @@ def load_models(cfg: Config, spec: RunSpec) -> PPOModels:
     reference = load_reference(spec.reference, policy, device)
     reward = load_reward(cfg.reward, spec.rewards, device)
     value = load_value_model(spec.value, policy, reward, tokenizer, device) if spec.value else None
+    if spec.precision == "bf16":  # every pass of these models runs under autocast
+        inputs_left_to_autocast(policy, *([value] if value is not None else []))
     if cfg.ppo.gradient_checkpointing:
         enable_gradient_checkpointing(policy)
         if value is not None and not value.shared_trunk:

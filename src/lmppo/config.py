@@ -394,7 +394,14 @@ class RunConfig(Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto",
         description="forward passes of all four models: bf16 = under bf16 autocast with fp32 master weights "
-        "and optimizer state; auto = bf16 on a CUDA device that supports it, else fp32",
+        "and optimizer state; auto = bf16 on a CUDA device that supports it and on a CPU with AMX, else fp32 "
+        "(the run prints its choice and why)",
+    )
+    fp32_matmul_precision: Literal["highest", "high", "medium"] = Field(
+        "highest",
+        description="how fp32 matrix products compute (torch.set_float32_matmul_precision): highest = "
+        "fp32; high = TF32 on NVIDIA GPUs; medium = bf16 inputs with fp32 sums where a fast kernel exists "
+        "(oneDNN on CPUs with AVX512-BF16 or AMX: 'fast fp32', measured in docs/performance.md)",
     )
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: all cores)")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = at the end only")

@@ -95,45 +95,51 @@ def masked_whiten(
 VOCAB_CHUNK_ELEMENTS = 2**22  # rows of logits handled at once: 16 MiB of float32 temporaries per chunk
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``log softmax(logits)[labels]`` per position. ``logits`` (B, L, V), ``labels`` (B, L) -> (B, L).
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``log softmax(logits / temperature)[labels]`` per position. ``logits`` (B, L, V), ``labels`` (B, L)
+    -> (B, L).
 
     The label logit minus ``logsumexp``, in float32 (bf16 log-probs are too coarse for importance
     ratios), a chunk of rows at a time: see :func:`token_logprobs_and_entropy`.
     """
-    return _VocabTerms.apply(logits, labels, False)[0]
+    return _VocabTerms.apply(logits, labels, False, temperature)[0]
 
 
 def token_logprobs_and_entropy(
-    logits: torch.Tensor, labels: torch.Tensor
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of ``labels`` and the entropy of ``softmax(logits)`` per position. -> (B, L), (B, L).
+    """Log-probs of ``labels`` and the entropy of ``softmax(z)``, ``z = logits / temperature``, per
+    position. -> (B, L), (B, L).
 
     ``H = logsumexp(z) - sum_v p_v z_v``. Both come from one sweep over the vocabulary, a chunk of
     positions at a time, and so does the backward (``d logp / dz = onehot - p``,
     ``dH / dz = -p (z - E_p[z])``, recomputed from the logits): with a 49k vocabulary the update holds
     the logits and their gradient, never the several (B, L, V) intermediates of autograd's
-    ``logsumexp``, ``softmax`` and ``gather``. The results equal those composed ops to float rounding.
+    ``logsumexp``, ``softmax`` and ``gather``. The temperature and the float32 cast of bf16 logits are
+    applied per chunk too, so neither makes a (B, L, V) copy. The results equal those composed ops to
+    float rounding. Autocast is off inside: the sweep is float32 by design.
     """
-    return _VocabTerms.apply(logits, labels, True)
+    return _VocabTerms.apply(logits, labels, True, temperature)
 
 
 class _VocabTerms(torch.autograd.Function):
     """``token_logprobs_and_entropy``'s forward and backward, row chunk by row chunk."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, temperature: float):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, labels)
+        ctx.temperature = temperature
         flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1, 1)
         logp = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
         entropy = torch.empty_like(logp) if with_entropy else None
-        for rows in _row_chunks(flat):
-            z = flat[rows].float()
-            lse = torch.logsumexp(z, dim=-1)
-            logp[rows] = z.gather(-1, flat_labels[rows]).squeeze(-1) - lse
-            if with_entropy:
-                entropy[rows] = lse - torch.einsum("nv,nv->n", torch.softmax(z, dim=-1), z)
+        with torch.autocast(logits.device.type, enabled=False):
+            for rows in _row_chunks(flat):
+                z = _tempered_chunk(flat[rows], temperature)
+                lse = torch.logsumexp(z, dim=-1)
+                logp[rows] = z.gather(-1, flat_labels[rows]).squeeze(-1) - lse
+                if with_entropy:
+                    entropy[rows] = lse - torch.einsum("nv,nv->n", torch.softmax(z, dim=-1), z)
         shape = labels.shape
         return logp.view(shape), entropy.view(shape) if with_entropy else torch.zeros(
             shape, device=logits.device
@@ -147,17 +153,21 @@ class _VocabTerms(torch.autograd.Function):
         g_logp = None if grad_logp is None else grad_logp.reshape(-1, 1).float()
         g_entropy = None if grad_entropy is None else grad_entropy.reshape(-1, 1).float()
         for rows in _row_chunks(flat):
-            z = flat[rows].float()
-            p = (z - torch.logsumexp(z, dim=-1, keepdim=True)).exp()  # as logsumexp's own backward
-            g = torch.zeros_like(z)
-            if g_logp is not None:  # onehot(label) * g - p * g
-                g = -p * g_logp[rows]
+            z = _tempered_chunk(flat[rows], ctx.temperature)
+            p = torch.softmax(z, dim=-1)
+            g = torch.zeros_like(z) if g_logp is None else -p * g_logp[rows]  # onehot(label) g - p g
+            if g_logp is not None:
                 g.scatter_add_(-1, flat_labels[rows], g_logp[rows])
             if g_entropy is not None:
                 expected = torch.einsum("nv,nv->n", p, z).unsqueeze(-1)
                 g = g - g_entropy[rows] * p * (z - expected)
-            grad[rows] = g.to(grad.dtype)
-        return grad.view(logits.shape), None, None
+            grad[rows] = g if ctx.temperature == 1.0 else g / ctx.temperature  # d z / d logits = 1 / T
+        return grad.view(logits.shape), None, None, None
+
+
+def _tempered_chunk(rows: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = rows.float()
+    return z if temperature == 1.0 else z / temperature
 
 
 def _row_chunks(flat: torch.Tensor) -> list[slice]:

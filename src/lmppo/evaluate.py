@@ -331,6 +331,7 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
         )
     # On the run's device and in its numerics: both policies are frozen here (16-bit under bf16).
     spec = resolve(cfg)
+    torch.set_float32_matmul_precision(spec.fp32_matmul_precision)
     start_source = frozen_policy_source(cfg, spec)
     final_source = start_source.model_copy(update={"path": str(run_dir / "final"), "gguf_file": None})
     tokenizer, prompts = load_tokenizer(cfg.models.policy), load_prompts(prompts_path)

@@ -62,6 +62,17 @@ def with_lora(model: nn.Module, lora, task_type: str | None = None) -> nn.Module
     )
 
 
+def inputs_left_to_autocast(*models: nn.Module) -> None:
+    """Stop peft casting each LoRA branch's input to the adapter's dtype, for models that only run under
+    bf16 autocast: autocast casts that fp32 copy straight back to bf16 for the matmul, so the result is
+    the same without it, and it was two copies of every adapted linear's input per forward (SmolLM2 LoRA:
+    ~84 000 small casts in a PPO step). Run without autocast, such a model fails loudly on the dtypes."""
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.cast_input_dtype_enabled = False
+
+
 def unwrap_model(model):
     """The underlying transformers model of a peft model or :class:`LoraReference`; else ``model``."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -131,26 +142,28 @@ def make_reference(policy: nn.Module) -> nn.Module | LoraReference:
 def mergeable_lora_layers(model: nn.Module) -> list[lora.Linear]:
     """The LoRA linears of ``model`` that :func:`lora_merged` can fold, or ``[]`` when it must not fold any.
 
-    Folding needs fp32 base weights and no autocast: ``W + s B A`` rounded to 16 bits loses an update
-    that is small against ``W`` (all of it at the start of training), so a 16-bit merged copy would sample
-    from another policy than the one the update differentiates. FSDP2 owns its modules' parameters, and
+    The base is fp32 outside autocast, or bf16 under bf16 autocast. An fp32 base under autocast is not
+    folded: the folded copy would be cast to bf16 again at every op. A bf16 fold rounds ``W + s B A``
+    to bf16, which drops the part of the update below half a bf16 step of ``W``; the unfolded forward
+    under autocast rounds the adapter's output into a bf16 sum the same way, and the engine/logp_gap
+    metric shows what is left (docs/performance.md). FSDP2 owns its modules' parameters, and
     DoRA's merged weight is not ``W + s B A``: neither is folded, nor a quantized base (QLoRA) whose fold
     would be a dequantized copy of every adapted weight.
     """
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     device_type = next(model.parameters()).device.type
-    if (
-        not layers
-        or torch.is_autocast_enabled(device_type)
-        or any(isinstance(m, FSDPModule) for m in model.modules())
-    ):
+    autocast = torch.is_autocast_enabled(device_type)
+    if autocast and torch.get_autocast_dtype(device_type) != torch.bfloat16:
+        return []
+    foldable = torch.bfloat16 if autocast else torch.float32
+    if not layers or any(isinstance(m, FSDPModule) for m in model.modules()):
         return []
     for layer in layers:
         if (
             not isinstance(layer, lora.Linear)
             or layer.merged
             or layer.disable_adapters
-            or layer.get_base_layer().weight.dtype != torch.float32
+            or layer.get_base_layer().weight.dtype != foldable
             or is_quantized(layer.get_base_layer().weight)
             or any(layer.use_dora.get(name) for name in layer.active_adapters)
         ):
@@ -181,7 +194,8 @@ def lora_merged(model: nn.Module) -> Iterator[None]:
             base = layer.get_base_layer()
             delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters)
             originals.append((base, base.weight))
-            base.weight = nn.Parameter(base.weight + delta, requires_grad=False)
+            folded = (base.weight.float() + delta).to(base.weight.dtype)  # one rounding, from fp32
+            base.weight = nn.Parameter(folded, requires_grad=False)
             layer.enable_adapters(False)
         yield
     finally:

@@ -190,8 +190,8 @@ class ValueModel(nn.Module):
     def shared_trunk(cls, policy: nn.Module) -> ValueModel:
         """A zero-initialised value head on the policy's backbone (shared trunk; LoRA layers included).
 
-        Train it with ``trainable_parameters(policy, value_model)`` and get logits and values from one
-        backbone pass with :func:`lmppo.rollout.policy_logits_and_values`.
+        Train it with ``trainable_parameters(policy, value_model)`` and get log-probs and values from one
+        backbone pass with :func:`lmppo.rollout.policy_logprobs_and_values`.
         """
         backbone = policy.get_decoder()
         return cls(backbone, _zero_head(backbone, policy.config.hidden_size), shared_trunk=True)

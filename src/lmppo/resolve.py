@@ -71,6 +71,8 @@ class RunSpec:
 
     device: torch.device
     precision: str  # "bf16" or "fp32": the forward passes' numerics
+    precision_reason: str  # why: set in the config, or what run.precision=auto found on this device
+    fp32_matmul_precision: str  # run.fp32_matmul_precision, torch's name for how fp32 matmuls compute
     world_size: int
     strategy: str  # "ddp" or "fsdp2" (one process: "ddp", nothing to sync)
     sharded: bool  # FSDP2 over several ranks: the models are split, every pass outside the update gathers
@@ -100,7 +102,7 @@ def resolve(
     """The run ``cfg`` describes on ``world_size`` ranks of ``device`` (default: ``run.device``).
     ``present=False`` for a plan, which may be made for a CUDA device this machine does not have."""
     device = torch.device(device) if device is not None else resolve_device(cfg.run.device, present=present)
-    precision = resolve_precision(cfg.run.precision, device)
+    precision, precision_reason = resolve_precision(cfg.run.precision, device)
     check_distributed(cfg, world_size)
     check_engine(cfg, world_size)
     if cfg.run.algorithm == "best_of_n" and world_size > 1:
@@ -119,6 +121,8 @@ def resolve(
     return RunSpec(
         device=device,
         precision=precision,
+        precision_reason=precision_reason,
+        fp32_matmul_precision=cfg.run.fp32_matmul_precision,
         world_size=world_size,
         strategy=strategy,
         sharded=sharded,
@@ -154,14 +158,37 @@ def resolve_device(name: str, *, present: bool = True) -> torch.device:
     return torch.device(name)
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """``run.precision`` for this device: ``auto`` is bf16 on a CUDA device with bf16 support (assumed for
-    one that is planned for but not present), else fp32 (CPUs without AMX run bf16 matmuls no faster)."""
+def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
+    """``run.precision`` for this device, and why: ``auto`` is bf16 on a CUDA device with bf16 support
+    (assumed for one that is planned for but not present) and on a CPU with AMX, whose bf16 matrix
+    products run several times fp32's; fp32 elsewhere."""
     if precision != "auto":
-        return precision
-    if device.type != "cuda":
-        return "fp32"
-    return "bf16" if not torch.cuda.is_available() or torch.cuda.is_bf16_supported() else "fp32"
+        return precision, "set by run.precision"
+    if device.type == "cuda":
+        if not torch.cuda.is_available() or torch.cuda.is_bf16_supported():
+            return "bf16", "run.precision=auto on a CUDA device with bf16"
+        return "fp32", "run.precision=auto on a CUDA device without bf16"
+    matmuls = cpu_bf16_matmuls()
+    if matmuls == "amx":
+        return "bf16", "run.precision=auto on a CPU with AMX (bf16 matrix products 4-7x fp32's)"
+    if matmuls == "avx512_bf16":
+        return "fp32", (
+            "run.precision=auto on a CPU without AMX; it has AVX512-BF16, where run.precision=bf16 "
+            "measured 1.2x faster on SmolLM2's PPO step (docs/performance.md)"
+        )
+    return "fp32", "run.precision=auto on a CPU without bf16 matrix instructions"
+
+
+def cpu_bf16_matmuls() -> str | None:
+    """This CPU's bf16 matrix instructions: "amx" (Intel Xeon 4th gen and later), "avx512_bf16", or None."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: no flags to read, fp32 is the safe choice
+        return None
+    flags = {flag for line in info.splitlines() if line.startswith("flags") for flag in line.split()}
+    if "amx_bf16" in flags:
+        return "amx"
+    return "avx512_bf16" if "avx512_bf16" in flags else None
 
 
 def settled_dtype(section: ModelSource, where: str, *, precision: str, trained: bool) -> ModelSource:

@@ -29,7 +29,8 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase, StaticCache, TopKLogitsWarper, TopPLogitsWarper
 from transformers.cache_utils import StaticLayer
 
-from lmppo.core import last_response_index, token_logprobs
+from lmppo import core
+from lmppo.core import last_response_index
 from lmppo.data import Prompt, check_chat_template, render_query_ids
 from lmppo.distributed import gather_objects
 from lmppo.errors import LmppoError, warn
@@ -180,26 +181,45 @@ def response_logits(model, batch: Rollout, temperature: float | None = None) -> 
 
     Row ``t`` comes from the position before response token ``t`` (the last query token for t = 0).
     Only those R positions are projected onto the vocabulary (``logits_to_keep``). Runs with whatever
-    grad mode and train/eval mode the caller set (the PPO update calls it with grad).
-    ``temperature`` defaults to the rollout's sampling temperature.
+    grad mode and train/eval mode the caller set. ``temperature`` defaults to the rollout's sampling
+    temperature. For log-probs use :func:`response_logprobs`, which never makes this tempered copy.
     """
     out, _ = _response_forward(model, batch)
-    return _tempered(out.logits, batch, temperature)
+    return _checked(out.logits, batch).float() / _temperature(batch, temperature)
 
 
-def policy_logits_and_values(
-    policy, value_model: ValueModel, batch: Rollout, temperature: float | None = None
+def response_logprobs(
+    model, batch: Rollout, temperature: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shared trunk: response logits (B, R, V) and values (B, R) from ONE backbone pass of the policy.
+    """Log-probs of the response tokens and the policy's entropy at each, under ``model`` at
+    ``temperature`` (default: the sampling one). -> (B, R), (B, R) float32.
+
+    The forward of :func:`response_logits`; the temperature and the float32 cast happen chunk by chunk
+    inside :func:`lmppo.core.token_logprobs_and_entropy`. The entropy's backward sweep runs only when a
+    loss uses it."""
+    out, _ = _response_forward(model, batch)
+    logits = _checked(out.logits, batch)
+    return core.token_logprobs_and_entropy(logits, batch.response_ids, _temperature(batch, temperature))
+
+
+def policy_logprobs_and_values(
+    policy, value_model: ValueModel, batch: Rollout, temperature: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shared trunk: :func:`response_logprobs`' log-probs and entropy, and values (B, R), from ONE
+    backbone pass of the policy.
 
     ``value_model`` must be ``ValueModel.shared_trunk(policy)``; its head reads the policy's last hidden
     state at the same positions as the logits.
     """
     if not value_model.shared_trunk:
-        raise ValueError("policy_logits_and_values needs a shared-trunk value model; use value_predictions")
+        raise ValueError("policy_logprobs_and_values needs a shared-trunk value model; use value_predictions")
     out, keep = _response_forward(policy, batch, output_hidden_states=True)
     values = value_model.values(out.hidden_states[-1][:, keep])  # (B, R)
-    return _tempered(out.logits, batch, temperature), values
+    logits = _checked(out.logits, batch)
+    logp, entropy = core.token_logprobs_and_entropy(
+        logits, batch.response_ids, _temperature(batch, temperature)
+    )
+    return logp, entropy, values
 
 
 def _response_forward(model, batch: Rollout, **kwargs):
@@ -218,14 +238,16 @@ def _response_forward(model, batch: Rollout, **kwargs):
     return out, keep
 
 
-def _tempered(logits: torch.Tensor, batch: Rollout, temperature: float | None) -> torch.Tensor:
+def _checked(logits: torch.Tensor, batch: Rollout) -> torch.Tensor:
     if logits.shape[1] != batch.response_ids.shape[1]:
         raise TypeError(
             "the model ignored `logits_to_keep`; lmppo needs a transformers causal LM that supports it"
         )
-    temperature = batch.temperature if temperature is None else temperature
-    logits = logits.float()
-    return logits if temperature == 1.0 else logits / temperature
+    return logits
+
+
+def _temperature(batch: Rollout, temperature: float | None) -> float:
+    return batch.temperature if temperature is None else temperature
 
 
 def sequence_logprobs(
@@ -246,7 +268,7 @@ def sequence_logprobs(
     pieces = []
     with torch.inference_mode(), eval_mode(model):
         for index, mb in stored_pass_batches(rollout, forward_batch_size, forward_batch_tokens):
-            pieces.append((index, token_logprobs(response_logits(model, mb, temperature), mb.response_ids)))
+            pieces.append((index, response_logprobs(model, mb, temperature)[0]))
         logp = scatter_rows(pieces, len(rollout), rollout.response_ids.shape[1])
     return logp.clone()  # a normal tensor: inference tensors cannot meet autograd later
 
@@ -285,8 +307,9 @@ def value_predictions(
 
 
 class PolicyAndValue(nn.Module):
-    """The trained networks behind one ``forward``: (B, R, V) tempered response logits and (B, R) values
-    (None without a critic).
+    """The trained networks behind one ``forward``: the response tokens' log-probs and the policy's
+    entropy (B, R) at the sampling temperature (:func:`response_logprobs`), and values (B, R) (None without
+    a critic).
 
     One module so that data parallelism wraps one forward and one set of parameters: DDP then syncs the
     policy's and the critic's gradients in the same backward, and a shared trunk is synced once.
@@ -297,13 +320,13 @@ class PolicyAndValue(nn.Module):
         self.policy, self.value_model = policy, value_model
         self.checkpointed = checkpointed_layers(self)  # ppo.gradient_checkpointing: recomputed in backward
 
-    def forward(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         with checkpointing(self.checkpointed):
             if self.value_model is None:
-                return response_logits(self.policy, batch), None
+                return *response_logprobs(self.policy, batch), None
             if self.value_model.shared_trunk:
-                return policy_logits_and_values(self.policy, self.value_model, batch)
-            return response_logits(self.policy, batch), state_values(self.value_model, batch)[:, :-1]
+                return policy_logprobs_and_values(self.policy, self.value_model, batch)
+            return *response_logprobs(self.policy, batch), state_values(self.value_model, batch)[:, :-1]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -714,13 +737,17 @@ class HFGenerator:
         values = []  # with a value model: V of the state each forward ends in, one (B,) per forward
 
         def forward(input_ids, position_ids, cache_position) -> torch.Tensor:
+            # The last position as an index, not logits_to_keep=1: for the prefill, hidden[:, -1:] is a
+            # strided view, and a linear on it falls back to a batched matmul over an expanded LM head
+            # (SmolLM2, batch 16: 4x slower in fp32, 100x in bf16); an index copies the B rows instead.
+            last = torch.tensor([input_ids.shape[1] - 1], device=device)
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 **cache,
                 cache_position=cache_position,
-                logits_to_keep=1,
+                logits_to_keep=last,
                 use_cache=True,
                 output_hidden_states=self.value_model is not None,
             )

@@ -158,6 +158,14 @@ def _train(
         return run.run()
 
 
+def numerics_line(spec: RunSpec) -> str:
+    """The run's numerics as decided, and why (``run.precision=auto`` depends on the machine)."""
+    matmuls = (
+        "" if spec.fp32_matmul_precision == "highest" else f", fp32 matmuls {spec.fp32_matmul_precision}"
+    )
+    return f"precision {spec.precision}{matmuls} on {spec.device.type}: {spec.precision_reason}"
+
+
 @contextlib.contextmanager
 def owning(run_dir: Path, dist_info: DistInfo) -> Iterator[None]:
     """The run directory for this run alone (:class:`lmppo.checkpoint.RunDirLock`), held by rank 0 until
@@ -333,6 +341,7 @@ class PPORun:
                 read_metrics(self.run_dir) if self.resumed and (self.run_dir / METRICS_FILE).is_file() else []
             )
             self.live = LiveDiagnosis(cfg.diagnosis, [r for r in earlier if r["step"] <= trainer.step_count])
+            self.progress.note(numerics_line(self.spec))
             if preflight is not None:
                 self.progress.note(summary_line(preflight))
             if start:

@@ -84,6 +84,7 @@ class PPOTrainer:
         models = self.models
         self.policy, self.reference, self.value_model = models.policy, models.reference, models.value
         self.device, self.precision = spec.device, spec.precision
+        torch.set_float32_matmul_precision(spec.fp32_matmul_precision)  # process-wide, as the run is
         r = cfg.rollout  # rows or a token budget per forward of the passes without gradients:
         self.stored_pass_batching = dict(
             forward_batch_size=r.forward_batch_size, forward_batch_tokens=r.forward_batch_tokens
@@ -329,8 +330,7 @@ class PPOTrainer:
         ppo = self.cfg.ppo
         mask, logp_old = micro.response_mask, micro.logp_old_for_update
         with self.autocast():  # the forward only: backward runs each op in its forward's dtype
-            logits, values = self.train_module(micro)
-        logp_new, token_entropy = core.token_logprobs_and_entropy(logits, micro.response_ids)
+            logp_new, token_entropy, values = self.train_module(micro)
         weights = micro.tis_weights
         if ppo.loss_aggregation == "sequence_mean":
             weights = core.sequence_mean_weights(mask, mean_length, weights)
