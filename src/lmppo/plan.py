@@ -406,8 +406,8 @@ def _rollout_bytes(
     rollout = kv + batch * prompt_tokens * policy.working_per_token(act) + batch * policy.vocab * 16
     rollout_how = f"KV cache of {batch} x {length} tokens: {size(kv)}"
     lora = cfg.models.policy_lora.enabled and not cfg.models.policy.quantize  # a quantized base is not folded
-    if lora and precision == "fp32" and by_role["policy"].shards == 1:
-        merged = 4 * policy.adapted_weights(cfg.models.policy_lora.target_modules)
+    if lora and by_role["policy"].shards == 1:  # fp32 base in fp32, bf16 base under bf16 (lora_merged)
+        merged = act * policy.adapted_weights(cfg.models.policy_lora.target_modules)
         rollout += merged  # the decode loop's folded copy of the adapted weights (models.lora_merged)
         rollout_how += f" + LoRA folded into a copy of the adapted weights: {size(merged)}"
     return rollout, rollout_how
