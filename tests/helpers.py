@@ -10,6 +10,7 @@ import dataclasses
 import os
 import re
 import signal
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -204,6 +205,31 @@ def write_config(path, **sections):
     out = path.parent / f"config-{len(list(path.parent.glob('config-*')))}.yaml"
     out.write_text(yaml.safe_dump(config))
     return out
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 -m lmppo ppo ARGS`` (torchrun's module form, as in the docs)."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "lmppo",
+        "ppo",
+        *args,
+        "--quiet",
+    ]
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def run_cli(*args: str) -> int:

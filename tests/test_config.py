@@ -55,6 +55,7 @@ def test_overrides_do_not_mutate_the_base():
         ("rollout.truncation=bootstrap reward.missing_eos_penalty=1.0", "gives truncated rows no score"),
         ("ppo", "not of the form section.key=value"),
         ("models.policy.path.x=1", "is a value, not a section"),
+        ("rollout.asynchronous=true rollout.max_rollout_age=0", "one policy version behind the update"),
     ],
 )
 def test_validation_errors_are_helpful(override, message):
@@ -74,6 +75,13 @@ def test_missing_section_and_file_errors(tmp_path):
     bad.write_text(yaml.safe_dump([1, 2]))
     with pytest.raises(LmppoError, match="mapping of sections"):
         load_config(bad)
+
+
+def test_the_rollout_age_follows_asynchronous_rollouts_unless_set():
+    assert load_config(base=BASE).rollout.max_rollout_age == 0
+    assert load_config(base=BASE, overrides=["rollout.asynchronous=true"]).rollout.max_rollout_age == 1
+    overrides = ["rollout.asynchronous=true", "rollout.max_rollout_age=2"]
+    assert load_config(base=BASE, overrides=overrides).rollout.max_rollout_age == 2
 
 
 def test_config_schema_is_strict_at_every_level():

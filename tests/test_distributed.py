@@ -5,8 +5,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
@@ -19,6 +17,7 @@ from helpers import (
     LOSES_RANK1,
     comparable,
     run_cli,
+    torchrun,
     toy_models,
     toy_trainer,
     write_config,
@@ -29,6 +28,7 @@ from transformers import AutoModelForCausalLM
 from lmppo.checkpoint import latest_checkpoint, load_checkpoint
 from lmppo.config import LoraConfig
 from lmppo.distributed import full_tensor, join_shards, seed_everything, trained_state_bytes
+from lmppo.engines import policy_weights
 from lmppo.lora import make_reference, with_lora
 from lmppo.metrics import read_metrics, reduce_metrics
 from lmppo.models import ValueModel
@@ -69,7 +69,7 @@ class FixedRollouts:
     def __init__(self, rollout):
         self.rollout = rollout
 
-    def generate(self, prompts, policy_version):
+    def generate(self, prompts, policy_version, sample_ids=None):
         return dataclasses.replace(self.rollout, policy_version=policy_version)
 
 
@@ -132,7 +132,7 @@ def ppo_step(rank: int, world: int, rollout, overrides=(), variant="full") -> di
         return rollout
 
     generate = trainer.generator.generate
-    trainer.generator.generate = lambda prompts, policy_version: keep(generate(prompts, policy_version))
+    trainer.generator.generate = lambda *args: keep(generate(*args))
     metrics = reduce_metrics(trainer.step(), group)
     return {
         "advantages": collected["rollout"].advantages,
@@ -148,6 +148,8 @@ def ppo_step(rank: int, world: int, rollout, overrides=(), variant="full") -> di
         if trainer.value_model is None
         else full_tensor(trainer.value_model.head.weight.detach()).clone(),
         "trained_state_bytes": trained_state_bytes(trainer.optimizer),
+        # what an engine with its own weights receives: streamed one FSDP2 unit at a time, LoRA folded
+        "engine_weights": {name: tensor.clone() for name, tensor in policy_weights(trainer.policy)},
     }
 
 
@@ -233,36 +235,16 @@ def test_two_ranks_take_the_same_step_as_one_process(tmp_path, overrides, varian
     # What training keeps (weights, gradients, Adam's moments): FSDP2 holds half of it on each of 2 ranks.
     held = ranks[0]["trained_state_bytes"] / alone["trained_state_bytes"]
     assert held == pytest.approx(0.5, abs=0.02) if sharded else held == 1.0
+    # The weight stream an engine gets: whole on every rank, the same as one process's.
+    for rank in ranks:
+        assert rank["engine_weights"].keys() == alone["engine_weights"].keys()
+        for name, weight in alone["engine_weights"].items():
+            torch.testing.assert_close(rank["engine_weights"][name], weight, atol=1e-5, rtol=0, msg=name)
 
 
 # --------------------------------------------------------------------------------------------------
 # torchrun through the CLI
 # --------------------------------------------------------------------------------------------------
-
-
-def torchrun(*args: str) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node 2 -m lmppo ppo ARGS`` (torchrun's module form, as in the docs)."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "lmppo",
-        "ppo",
-        *args,
-        "--quiet",
-    ]
-    return subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-    )
 
 
 @pytest.mark.slow

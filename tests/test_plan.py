@@ -69,6 +69,32 @@ def test_each_memory_option_shrinks_its_phase(run_files):
     assert phases("rollout.max_new_tokens=100")["rollout"] > base["rollout"]
 
 
+def test_a_rollout_engine_is_counted_in_every_phase_it_holds_memory(run_files):
+    """vLLM on a GPU sleeps through the stored passes and the update when rollouts are synchronous; on CPU,
+    or sampling the next batch (rollout.asynchronous), it holds its weights and KV cache in every phase.
+    engine=hf with rollout.asynchronous holds a snapshot of the policy, and decodes during the update."""
+
+    def plan(device, *overrides):
+        return memory_plan(load_config(run_files, list(overrides)), device=device, available=2**50)
+
+    for device in ("cpu", "cuda"):
+        base = plan(device)
+        policy = rows_by_role(base)["policy"]
+        # rollout.vllm_kv_cache_gb=1 and its weights in the compute dtype (run.precision=auto: bf16 on a GPU)
+        engine = 2**30 + policy.parameters * (4 if device == "cpu" else 2)
+        vllm = plan(device, "rollout.engine=vllm")
+        assert vllm.phases["rollout"] == engine
+        stays = engine if device == "cpu" else 0
+        for phase in ("stored passes", "update"):
+            assert vllm.phases[phase] == base.phases[phase] + stays, (device, phase)
+            overlapped = plan(device, "rollout.engine=vllm", "rollout.asynchronous=true")
+            assert overlapped.phases[phase] == base.phases[phase] + engine, (device, phase)
+        snapshot = plan(device, "rollout.asynchronous=true")
+        assert snapshot.phases["rollout"] == base.phases["rollout"] + policy.stored_weights
+        assert snapshot.phases["update"] == base.phases["update"] + snapshot.phases["rollout"]
+        assert snapshot.peak > base.peak
+
+
 @pytest.mark.parametrize("shard_frozen", [True, False])
 def test_fsdp2_splits_what_each_rank_holds_and_adds_what_it_gathers(run_files, shard_frozen):
     def plan(*overrides):

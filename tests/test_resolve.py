@@ -32,8 +32,13 @@ def test_global_sizes_must_split_over_the_ranks(run_files):
 def test_cross_section_refusals_come_before_any_load(run_files):
     with pytest.raises(LmppoError, match="fsdp2 shards the models over the ranks"):
         resolve(load_config(run_files, ["distributed.strategy=fsdp2"]))
-    with pytest.raises(LmppoError, match="rollout.engine=vllm runs with one process"):
-        resolve(load_config(run_files, ["rollout.engine=vllm"]), world_size=2)
+    with pytest.raises(LmppoError, match="best-of-n fine-tunes on each round's winners"):
+        resolve(
+            load_config(
+                run_files,
+                ["run.algorithm=best_of_n", "rollout.samples_per_prompt=2", "rollout.asynchronous=true"],
+            )
+        )
     with pytest.raises(LmppoError, match="models.policy.dtype=bfloat16 would train every weight in 16 bits"):
         resolve(load_config(run_files, ["models.policy.dtype=bfloat16"]))
 

@@ -93,9 +93,11 @@ def policy_tensors(run_dir):
         (True, {"ppo": {"gradient_checkpointing": True, "critic_warmup_steps": 3}}),
         (False, {"run": {"precision": "bf16"}}),
         (False, {"ppo": {"advantage": "grpo"}, "rollout": {"batch_size": 2, "samples_per_prompt": 3}}),
+        (True, {"rollout": {"asynchronous": True}}),
     ],
     # the third is split inside its warmup; the last has no critic and samples 3 responses per prompt
-    ids=["full", "lora", "lora-checkpointed-critic-warmup", "bf16", "grpo-groups"],
+    # asynchronous: the batch sampled during step 2's update is saved with its checkpoint and trained on
+    ids=["full", "lora", "lora-checkpointed-critic-warmup", "bf16", "grpo-groups", "asynchronous"],
 )
 def test_resume_is_exact(run_files, lora, sections):
     """N steps in one go == k steps, stop, resume for N-k: same metrics, bit-identical weights."""
@@ -111,6 +113,8 @@ def test_resume_is_exact(run_files, lora, sections):
     assert run_cli("ppo", str(straight)) == 0
     split = write_config(straight, run={"steps": 2, "output_dir": str(run_files.parent / "split")})
     assert run_cli("ppo", str(split)) == 0
+    in_flight = load_checkpoint(latest_checkpoint(run_files.parent / "split")).tensors.get("pending_rollout")
+    assert (in_flight is not None) == sections.get("rollout", {}).get("asynchronous", False)
     assert run_cli("ppo", "--resume", str(run_files.parent / "split"), "run.steps=4") == 0
 
     a, b = run_files.parent / "straight", run_files.parent / "split"

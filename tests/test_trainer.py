@@ -115,11 +115,11 @@ class StaleGenerator:
     def __init__(self, inner, ages):
         self.inner, self.ages, self.calls = inner, list(ages), 0
 
-    def generate(self, prompts, policy_version):
+    def generate(self, prompts, policy_version, sample_ids=None):
         self.calls += 1
         age = self.ages.pop(0) if self.ages else 99
         return dataclasses.replace(
-            self.inner.generate(prompts, policy_version), policy_version=policy_version - age
+            self.inner.generate(prompts, policy_version, sample_ids), policy_version=policy_version - age
         )
 
 
@@ -129,8 +129,8 @@ class OffByEngine:
     def __init__(self, inner, shift):
         self.inner, self.shift = inner, shift
 
-    def generate(self, prompts, policy_version):
-        rollout = self.inner.generate(prompts, policy_version)
+    def generate(self, prompts, policy_version, sample_ids=None):
+        rollout = self.inner.generate(prompts, policy_version, sample_ids)
         self.true_logp = rollout.logp_old.clone()
         return dataclasses.replace(rollout, logp_old=rollout.logp_old - self.shift)
 
@@ -413,3 +413,20 @@ def test_sequence_mean_weighs_every_response_alike_where_token_mean_weighs_every
         )
         assert means.policy_loss == pytest.approx(expected.item(), abs=1e-6)
     assert abs(row_means.mean().item()) > 1e-3  # the two aggregations differ here
+
+
+def test_asynchronous_rollouts_are_one_version_behind_and_the_ratio_is_taken_against_the_sampler():
+    """rollout.asynchronous: step 1 samples first (lag 0); from then on each batch was sampled during the
+    previous update, by the weights before it (lag 1), so the trainer's log-probs already differ from the
+    sampler's at the first minibatch; the snapshot engine holds the policy again after every sync."""
+    trainer = toy_trainer("rollout.asynchronous=true")
+    assert trainer.cfg.rollout.max_rollout_age == 1  # unset: one version for one-step-off
+    records = [trainer.step() for _ in range(3)]
+    assert [r["lag/policy_versions"] for r in records] == [0.0, 1.0, 1.0]
+    assert records[0]["engine/logp_gap"] < 1e-5 < records[1]["engine/logp_gap"]
+    assert all(r["perf/generation_s"] > 0 for r in records)
+    assert trainer.ahead.pending is not None  # step 4's batch is sampling already
+    trainer.ahead.finished()
+    snapshot = dict(trainer.generator.model.named_parameters())
+    assert all(torch.equal(p, snapshot[name]) for name, p in trainer.policy.named_parameters())
+    assert trainer.generator.synced_version == trainer.policy_version == 3

@@ -13,7 +13,17 @@ import sys
 import pytest
 import torch
 import yaml
-from helpers import COUNT_GOOD, POLICY_SPECIALS, POLICY_TEMPLATE, WORDS, build_tokenizer, llama_config
+from helpers import (
+    COUNT_GOOD,
+    LOSES_RANK1,
+    POLICY_SPECIALS,
+    POLICY_TEMPLATE,
+    WORDS,
+    build_tokenizer,
+    comparable,
+    llama_config,
+    torchrun,
+)
 from transformers import LlamaForCausalLM
 
 from lmppo.core import token_logprobs
@@ -21,30 +31,9 @@ from lmppo.loading import load_causal_lm, load_tokenizer
 from lmppo.lora import apply_lora
 from lmppo.metrics import read_metrics
 from lmppo.rollout import HFGenerator, response_logits
-from lmppo.vllm_engine import policy_weights
 
 PROMPTS = ["tell me about the cat", "write a short poem", "tell me a story", "the day was very happy"]
 TOLERANCE = 1e-4
-
-
-def test_policy_weights_fold_lora_in_without_touching_the_model():
-    tokenizer = build_tokenizer(
-        POLICY_SPECIALS, list(WORDS), pad="<pad>", eos="</s>", bos="<s>", chat_template=POLICY_TEMPLATE
-    )
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(llama_config(tokenizer))
-    expected_names = set(base.state_dict())
-    policy = apply_lora(base, r=2, alpha=4, target_modules="all-linear")
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.normal_()
-    before = {k: v.clone() for k, v in policy.state_dict().items()}
-    weights = policy_weights(policy)
-    assert set(weights) == expected_names  # transformers checkpoint names, no adapter tensors
-    assert all(torch.equal(v, policy.state_dict()[k]) for k, v in before.items())  # model unchanged
-    merged = policy.merge_and_unload().state_dict()
-    assert all(torch.allclose(weights[k], merged[k], atol=1e-6) for k in expected_names)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -212,3 +201,115 @@ def test_three_ppo_steps_with_engine_vllm_through_the_cli(tiny_dir, tmp_path):
     assert all(r["perf/weight_sync_s"] > 0 and r["lag/policy_versions"] == 0 for r in records)
     assert all(r["engine/logp_gap"] < TOLERANCE for r in records)  # synced before every rollout
     assert (tmp_path / "run" / "final" / "config.json").is_file()
+
+
+# --------------------------------------------------------------------------------------------------
+# Under torchrun, one-step-off, evaluation: runs through the CLI
+# --------------------------------------------------------------------------------------------------
+
+
+def engine_run_config(tiny_dir, tmp_path, name: str, **sections) -> str:
+    """A 3-step run on the engine; one minibatch per step, so a step's update does not depend on how the
+    rows are shuffled on each rank."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 2))
+    config = {
+        "models": {"policy": {"path": str(tiny_dir)}, "value": {"init_from": "policy"}},
+        "reward": {"function": COUNT_GOOD},
+        "data": {"prompts": str(prompts)},
+        "rollout": {"engine": "vllm", "batch_size": 4, "max_new_tokens": 8},
+        "ppo": {"minibatch_size": 4, "ppo_epochs": 1, "lr": 1e-3},
+        "run": {"output_dir": str(tmp_path / name), "steps": 3, "seed": 1, "checkpoint_every": 1},
+    }
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def lmppo(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lmppo", *args], capture_output=True, text=True, timeout=600, check=False
+    )
+
+
+def assert_same_records(a, b, rel=1e-4):
+    """Equal up to float rounding (the ranks' gradient all-reduce sums in another order). The absolute
+    tolerance is for ``policy/ratio_std``: the square root of a difference of two means close to 1."""
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(comparable(a), comparable(b)):
+        assert x.keys() == y.keys()
+        differ = {k: (x[k], y[k]) for k in x if x[k] != pytest.approx(y[k], rel=rel, abs=3e-4)}
+        assert not differ, f"step {x['step']}: {differ}"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_engine_on_each_of_two_ranks_samples_and_steps_as_one_process_and_resumes_exactly(
+    tiny_dir, tmp_path
+):
+    """Each rank drives its own engine and samples its share; every sample is seeded by its place in the
+    prompt stream, so 2 ranks draw the same responses as 1 process: same rewards, log-probs and update."""
+    assert lmppo("ppo", engine_run_config(tiny_dir, tmp_path, "alone"), "--quiet").returncode == 0
+    done = torchrun(engine_run_config(tiny_dir, tmp_path, "two"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    alone, two = read_metrics(tmp_path / "alone"), read_metrics(tmp_path / "two")
+    assert_same_records(alone, two)
+    assert all(r["engine/logp_gap"] < TOLERANCE and r["perf/weight_sync_s"] > 0 for r in two[1:])
+    # exact resume on 2 ranks: stop after step 2, continue to 3
+    split = engine_run_config(tiny_dir, tmp_path, "split", run={"steps": 2})
+    assert torchrun(split).returncode == 0
+    done = torchrun("--resume", str(tmp_path / "split"), "run.steps=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert comparable(read_metrics(tmp_path / "split")) == comparable(two)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_one_step_off_rollouts_on_the_engine_lag_one_version_and_resume_exactly(tiny_dir, tmp_path):
+    """rollout.asynchronous: the engine samples step k+1 during step k's update, with the weights before
+    it; the batch in flight at a checkpoint is saved with it, so a resumed run continues exactly."""
+    asynchronous = {"asynchronous": True, "engine": "vllm", "batch_size": 4, "max_new_tokens": 8}
+    config = engine_run_config(tiny_dir, tmp_path, "straight", rollout=asynchronous, run={"steps": 4})
+    done = lmppo("ppo", config, "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    straight = read_metrics(tmp_path / "straight")
+    assert [r["lag/policy_versions"] for r in straight[1:]] == [0, 1, 1, 1]
+    assert all(r["engine/logp_gap"] > TOLERANCE for r in straight[2:])  # sampled by the previous weights
+    split = engine_run_config(tiny_dir, tmp_path, "split", rollout=asynchronous, run={"steps": 2})
+    assert lmppo("ppo", split, "--quiet").returncode == 0
+    assert lmppo("ppo", "--resume", str(tmp_path / "split"), "run.steps=4", "--quiet").returncode == 0
+    assert comparable(read_metrics(tmp_path / "split")) == comparable(straight)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_evaluation_samples_on_the_runs_engine_in_the_run_and_in_lmppo_eval(tiny_dir, tmp_path):
+    """In-run evaluation and `lmppo eval` both sample on the engine with each held-out prompt's seed: the
+    starting policy's step-0 evaluation and `lmppo eval`'s "start" are the same responses."""
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": p + " again"}) + "\n" for p in PROMPTS))
+    config = engine_run_config(
+        tiny_dir, tmp_path, "run", data={"eval_prompts": str(held_out)}, run={"steps": 2, "eval_every": 1}
+    )
+    assert lmppo("ppo", config, "--quiet").returncode == 0
+    done = lmppo("eval", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    start = json.loads((tmp_path / "run" / "eval.json").read_text())["policies"]["start"]["metrics"]
+    step0 = read_metrics(tmp_path / "run")[0]
+    for key in ("eval/reward/rm_score", "eval/response/length"):
+        assert step0[key] == pytest.approx(start[key], abs=1e-6), key
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_lost_rank_still_ends_a_job_with_engines(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOST_RANK_MARKER", str(tmp_path / "rank1-died"))
+    config = engine_run_config(
+        tiny_dir, tmp_path, "killed", reward={"function": LOSES_RANK1}, distributed={"timeout_s": 30}
+    )
+    done = torchrun(config)
+    assert done.returncode != 0 and "rank 0 lost rank 1" in done.stderr, done.stderr[-3000:]

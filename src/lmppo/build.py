@@ -5,6 +5,7 @@ engine with its sampling settings (:func:`generator_options`, shared by training
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,9 +18,10 @@ from lmppo.best_of_n import BestOfNTrainer
 from lmppo.config import Config, KLConfig, PPOConfig, RewardComponent, RewardConfig, RewardSource
 from lmppo.data import Prompt, PromptStream
 from lmppo.distributed import CommCounter, data_parallel, shard_models
+from lmppo.engines import SnapshotGenerator
 from lmppo.errors import LmppoError
 from lmppo.loading import DTYPES, freeze, load_causal_lm, load_reward_model, load_tokenizer, resolve_source
-from lmppo.lora import inputs_left_to_autocast, make_reference, with_lora
+from lmppo.lora import inputs_left_to_autocast, make_reference, unwrap_model, with_lora, without_adapters
 from lmppo.models import (
     PPOModels,
     ValueModel,
@@ -202,24 +204,45 @@ def generator_options(cfg: Config) -> dict:
 
 
 def build_generator(cfg: Config, spec: RunSpec, models: PPOModels) -> Generator:
-    """The rollout engine ``rollout.engine`` names, with the config's sampling settings."""
-    if cfg.rollout.engine == "vllm":
-        from lmppo.vllm_engine import VLLMGenerator  # vLLM lives in its own environment
-
-        return VLLMGenerator(
-            models.policy,
-            models.tokenizer,
-            cfg.models.policy.path,
-            seed=cfg.run.seed,
-            kv_cache_gb=cfg.rollout.vllm_kv_cache_gb,
-            weight_sync=cfg.rollout.vllm_weight_sync,
-            **generator_options(cfg),
-        )
+    """The rollout engine ``rollout.engine`` names, with the config's sampling settings; with
+    ``rollout.asynchronous`` the transformers decode loop runs on its own copy of the policy."""
+    if cfg.rollout.engine == "vllm":  # an engine sampling during the update must stay awake
+        sleep = not cfg.rollout.asynchronous
+        return vllm_engine(cfg, models.policy, models.tokenizer, dtype=spec.compute_dtype, sleep=sleep)
+    if cfg.rollout.asynchronous:  # a plain copy of the starting policy (before any sharding)
+        snapshot = without_adapters(copy.deepcopy(unwrap_model(models.policy)))
+        return SnapshotGenerator(snapshot, models.tokenizer, seed=cfg.run.seed, **generator_options(cfg))
     return HFGenerator(
         models.policy,
         models.tokenizer,
         value_model=models.value if spec.values_from_decode else None,
         bootstrap_values=cfg.rollout.truncation == "bootstrap",  # terminal: the trainer zeroes it anyway
+        **generator_options(cfg),
+    )
+
+
+def vllm_engine(
+    cfg: Config,
+    policy: nn.Module,
+    tokenizer,
+    *,
+    dtype=None,
+    sleep: bool = False,
+    weight_sync: str | None = None,
+):
+    """A vLLM engine loaded from ``models.policy.path``, sampling as the config says, in ``dtype`` (the
+    run's compute dtype; None: the policy's), ``weight_sync`` overriding ``rollout.vllm_weight_sync``."""
+    from lmppo.vllm_engine import VLLMGenerator  # vLLM lives in its own environment
+
+    return VLLMGenerator(
+        policy,
+        tokenizer,
+        cfg.models.policy.path,
+        seed=cfg.run.seed,
+        kv_cache_gb=cfg.rollout.vllm_kv_cache_gb,
+        weight_sync=weight_sync or cfg.rollout.vllm_weight_sync,
+        dtype=dtype,
+        sleep=sleep,
         **generator_options(cfg),
     )
 
@@ -295,8 +318,10 @@ def build_trainer(
     # update's first forward then agree exactly, so the first ratio is 1. Gradients still flow.
     for model in models.trained:
         model.eval()
+    generator = generator or build_generator(
+        cfg, spec, models
+    )  # before sharding: a snapshot copies whole weights
     train_module, comm_counter = build_update_module(spec, models, group)
-    generator = generator or build_generator(cfg, spec, models)
     prompt_stream = PromptStream(
         prompts,
         cfg.rollout.batch_size,

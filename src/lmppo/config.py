@@ -222,8 +222,17 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0, description="0 = off")
     top_p: float = Field(1.0, gt=0, le=1)
     stop_token_ids: list[int] = Field([], description="extra stop ids besides the tokenizer's EOS")
-    max_rollout_age: int = Field(
-        0, ge=0, description="policy versions a rollout may lag before it is regenerated"
+    asynchronous: bool = Field(
+        False,
+        description="one-step-off: the engine samples the next step's batch on a worker thread while the "
+        "trainer updates on this one (one policy version behind; the ratio uses the sampling log-probs). "
+        "engine=hf then decodes on its own copy of the policy (docs/engines.md)",
+    )
+    max_rollout_age: int | None = Field(
+        None,
+        ge=0,
+        description="policy versions a rollout may lag before it is regenerated; null = 0, or 1 with "
+        "rollout.asynchronous",
     )
     truncation: Literal["terminal", "bootstrap"] = Field(
         "terminal",
@@ -243,6 +252,17 @@ class RolloutConfig(Section):
     def responses_per_step(self) -> int:
         """Sequences sampled per PPO step, all ranks: the rows ``ppo.minibatch_size`` counts in."""
         return self.batch_size * self.samples_per_prompt
+
+    @model_validator(mode="after")
+    def _rollout_age(self) -> RolloutConfig:
+        if self.max_rollout_age is None:
+            self.max_rollout_age = int(self.asynchronous)
+        elif self.asynchronous and self.max_rollout_age < 1:
+            raise ValueError(
+                "rollout.asynchronous samples each batch one policy version behind the update, and "
+                f"rollout.max_rollout_age={self.max_rollout_age} allows none; set it to 1 (or leave it unset)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_forward_batching(self) -> RolloutConfig:

@@ -7,6 +7,7 @@ A prompt is either a string (rendered as one user turn) or a chat ``messages`` l
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -247,6 +248,14 @@ def load_demonstrations(path: str | Path) -> list[tuple[Prompt, str]]:
     return pairs
 
 
+@dataclass
+class PromptBatch:
+    """This rank's prompts of one step and each sample's id: its place in the whole stream (epochs included)."""
+
+    prompts: list[Prompt]
+    sample_ids: list[int]
+
+
 class PromptStream:
     """Batches of prompts, reshuffled each epoch from ``seed + epoch``; resumable from ``(epoch, cursor)``.
 
@@ -285,13 +294,21 @@ class PromptStream:
     def next_batch(self) -> list[Prompt]:
         """This rank's share of the next global batch, each prompt repeated ``samples_per_prompt`` times
         in a row (a short tail of an epoch is skipped)."""
+        return self.next_samples().prompts
+
+    def next_samples(self) -> PromptBatch:
+        """:meth:`next_batch` with each sample's place in the stream (its id: the same on any number of ranks)."""
         if self.cursor + self.batch_size > len(self.prompts):
             self.epoch, self.cursor = self.epoch + 1, 0
         order = self._order()[self.cursor : self.cursor + self.batch_size]
-        self.cursor += self.batch_size
         per_rank = self.batch_size // self.world_size
+        first = (
+            self.epoch * len(self.prompts) + self.cursor + self.rank * per_rank
+        ) * self.samples_per_prompt
+        self.cursor += self.batch_size
         mine = order[self.rank * per_rank : (self.rank + 1) * per_rank]
-        return [self.prompts[i] for i in mine for _ in range(self.samples_per_prompt)]
+        prompts = [self.prompts[i] for i in mine for _ in range(self.samples_per_prompt)]
+        return PromptBatch(prompts, list(range(first, first + len(prompts))))
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "cursor": self.cursor}

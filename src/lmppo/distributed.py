@@ -73,10 +73,10 @@ def distributed_session(device: str, timeout_s: float = 600.0) -> Iterator[DistI
     try:
         yield DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dist.group.WORLD)
     except BaseException:
-        if created:  # no barrier: a lost rank would never reach it
+        if created and dist.is_initialized():  # no barrier: a lost rank would never reach it
             dist.destroy_process_group()
         raise
-    if created:
+    if created and dist.is_initialized():  # a vLLM engine's shutdown destroys it itself
         # every rank done, and the models' pending work freed, before gloo's threads are torn down: a rank
         # that exits while its peer still holds work aborts with "terminate called without an active exception"
         dist.barrier()
@@ -310,8 +310,9 @@ def _shard_critic(spec: RunSpec, mesh, counter: CommCounter, policy: nn.Module, 
 
 
 @contextlib.contextmanager
-def gathered(*modules: nn.Module | None) -> Iterator[None]:
-    """The FSDP2 units inside ``modules`` held whole on every rank for the block, and models offloaded
+def gathered(*modules: nn.Module | None, nested: bool = True) -> Iterator[None]:
+    """The FSDP2 units inside ``modules`` (``nested=False``: ``modules`` themselves, not the units inside
+    them) held whole on every rank for the block, and models offloaded
     whole to host memory brought to their device (:func:`lmppo.quantize.on_device`); a no-op for plain
     modules (and None: no reward model). One all-gather per unit on entry and none inside, so the block may run a different number
     of forwards on each rank (generation stops when a rank's responses end); resharded on exit.
@@ -323,7 +324,7 @@ def gathered(*modules: nn.Module | None) -> Iterator[None]:
         id(m): m
         for module in modules
         if module is not None
-        for m in module.modules()
+        for m in (module.modules() if nested else [module])
         if isinstance(m, FSDPModule)
     }
     # FSDP2 reuses its all-gather buffers in the update: they must not be inference tensors

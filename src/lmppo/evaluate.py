@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from lmppo.build import generator_options, load_reward
+from lmppo.build import generator_options, load_reward, vllm_engine
 from lmppo.config import load_config
 from lmppo.core import kl_estimate
 from lmppo.data import Prompt, load_demonstrations, load_prompts
@@ -38,7 +38,7 @@ from lmppo.errors import LmppoError, user_code_error
 from lmppo.loading import load_causal_lm, load_tokenizer
 from lmppo.models import autocast, eval_mode
 from lmppo.resolve import frozen_policy_source, resolve
-from lmppo.rollout import HFGenerator, Rollout, sequence_logprobs
+from lmppo.rollout import Generator, HFGenerator, Rollout, sequence_logprobs
 from lmppo.scoring import RewardFunction, load_function
 from lmppo.sft import response_nll_sum
 
@@ -92,6 +92,8 @@ def evaluate_policy(
     batch_size: int = 32,
     seed: int = 0,
     group: torch.distributed.ProcessGroup | None = None,
+    generator: Generator | None = None,
+    sample_ids: Sequence[int] | None = None,
 ) -> EvalResult:
     """Sample one response per held-out prompt and measure it (see the module docstring).
 
@@ -100,15 +102,19 @@ def evaluate_policy(
     judge; ``demonstrations``: held-out {"prompt", "response"} rows for ``eval/demo_ppl``; ``slices``:
     each prompt's slice name (e.g. its task type) for per-slice means. With a process
     ``group`` each rank passes its own share of prompts and demonstrations; rows and sums are gathered,
-    so every rank returns the same, global result.
+    so every rank returns the same, global result. ``generator``: the run's engine when it has its own
+    (vLLM, holding ``policy``'s weights), else the transformers decode loop on ``policy``; ``sample_ids``:
+    each prompt's place in the whole held-out set (a seeded engine draws from them).
     """
     if not prompts and group is None:
         raise LmppoError("evaluation: no held-out prompts; check data.eval_prompts")
-    generator = HFGenerator(policy, tokenizer, **generator_options)
+    generator = generator or HFGenerator(policy, tokenizer, **generator_options)
+    sample_ids = list(range(len(prompts))) if sample_ids is None else list(sample_ids)
     rows = []
     with _seeded_rng(seed, policy), failing_together(group):  # a judge failing on one rank stops all
         for start in range(0, len(prompts), batch_size):
-            rollout = generator.generate(prompts[start : start + batch_size], policy_version=0)
+            end = start + batch_size
+            rollout = generator.generate(prompts[start:end], 0, sample_ids[start:end])
             rows += _measure(rollout, reward_fn, policy, reference, gold_fn)
     for row, name in zip(rows, slices or ()):
         row["slice"] = str(name)
@@ -127,14 +133,17 @@ def evaluate_policy(
 
 
 def run_evaluator(
-    cfg, models, rank: int = 0, world_size: int = 1, group=None
+    cfg, models, rank: int = 0, world_size: int = 1, group=None, generator: Generator | None = None
 ) -> Callable[[], dict[str, float]]:
     """The held-out evaluation ``lmppo ppo`` runs every ``run.eval_every`` steps, from the config:
     ``data.eval_prompts`` scored by the run's reward and ``data.eval_judge``, KL to the reference,
     ``data.eval_demonstrations``' perplexity. Each rank takes every ``world_size``-th prompt and
     demonstration; the metrics are global. Sampling draws from its own seeded stream (training's
-    RNG is untouched), with the same seed every time, so evaluations differ only by the policy."""
-    prompts = load_prompts(cfg.data.eval_prompts)[rank::world_size]
+    RNG is untouched), with the same seed every time, so evaluations differ only by the policy.
+    ``generator``: the run's own engine when it samples from its own weights (vLLM), synced to the policy."""
+    every_prompt = load_prompts(cfg.data.eval_prompts)
+    prompts = every_prompt[rank::world_size]
+    sample_ids = list(range(len(every_prompt)))[rank::world_size]
     gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
     demonstrations = None
     if cfg.data.eval_demonstrations:
@@ -154,6 +163,8 @@ def run_evaluator(
             batch_size=cfg.run.eval_batch_size,
             seed=cfg.run.seed,
             group=group,
+            generator=generator,
+            sample_ids=sample_ids,
         ).metrics
 
     return evaluate
@@ -313,6 +324,14 @@ def write_eval_json(run_dir: str | Path, results: dict[str, EvalResult], baselin
     return path
 
 
+def run_engine(cfg, policy, tokenizer, dtype=None) -> Generator | None:
+    """The run's vLLM engine (``rollout.engine: vllm``) for ``lmppo eval``, loaded from the starting policy:
+    both policies sample as training did; None: the transformers decode loop on each policy."""
+    if cfg.rollout.engine != "vllm":
+        return None
+    return vllm_engine(cfg, policy, tokenizer, dtype=dtype, weight_sync="merged")  # final/ is a whole model
+
+
 def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) -> dict:
     """``lmppo eval RUN_DIR``: the run's final policy vs its starting policy on held-out prompts.
 
@@ -338,10 +357,14 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
     reward_fn = load_reward(cfg.reward, spec.rewards, spec.device).reward
     gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
     start, final = (load_causal_lm(source).to(spec.device) for source in (start_source, final_source))
+    engine = run_engine(cfg, start, tokenizer, spec.compute_dtype)
+    results = {}
     # an offloaded reward model comes to the device for the evaluation (lmppo.quantize.offload)
     with autocast(spec.precision, spec.device), gathered(*getattr(reward_fn, "models", [])):
-        results = {
-            name: evaluate_policy(
+        for version, (name, policy) in enumerate((("start", start), ("PPO", final))):
+            if engine is not None:
+                engine.sync_weights(policy, version)
+            results[name] = evaluate_policy(
                 policy,
                 tokenizer,
                 prompts,
@@ -351,8 +374,9 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
                 generator_options=generator_options(cfg),
                 batch_size=cfg.run.eval_batch_size,
                 seed=cfg.run.seed,
+                generator=engine,
             )
-            for name, policy in (("start", start), ("PPO", final))
-        }
+    if engine is not None:
+        engine.close()
     write_eval_json(run_dir, results, baseline="start")
     return compare_policies(results, baseline="start")

@@ -413,6 +413,31 @@ def _rollout_bytes(
     return rollout, rollout_how
 
 
+def add_resident_engine(
+    cfg: Config, rows: list[ModelRow], phases: dict[str, int], details: dict[str, str], device: str
+) -> None:
+    """What the rollout engine holds while the other phases run, added to them. vLLM on a GPU with
+    synchronous rollouts sleeps through them (its cache freed, its weights in host memory); elsewhere its
+    weights and KV cache stay. With ``rollout.asynchronous`` the next batch decodes during the stored passes
+    and the update, and ``engine: hf`` keeps a snapshot of the policy for it in every phase."""
+    rollout, r = phases["rollout"], cfg.rollout
+    if r.engine == "hf" and r.asynchronous:
+        policy = next(row for row in rows if row.role == "policy")
+        snapshot = policy.stored_weights * policy.shards  # a whole copy on every rank
+        phases["rollout"] += snapshot
+        details["rollout"] += f" + the snapshot of the policy it decodes on: {size(snapshot)}"
+        resident, why = phases["rollout"], "the snapshot and the next batch's decode"
+    elif r.engine == "vllm" and (device != "cuda" or r.asynchronous):
+        resident, why = rollout, "the vLLM engine stays resident" + (": sampling" if r.asynchronous else "")
+    else:
+        if r.engine == "vllm":
+            details["rollout"] += "; it sleeps through the other phases"
+        return
+    for phase in ("stored passes", "update"):
+        phases[phase] += resident
+        details[phase] += f" + {why}: {size(resident)}"
+
+
 def _gathered_bytes(
     cfg: Config, by_role: dict[str, ModelRow], shapes: dict[str, Shape], act: int, rollout: int, stored: int
 ) -> tuple[int, int, int]:
@@ -483,6 +508,7 @@ def memory_plan(
     rows, shapes, conversion = model_rows(cfg, spec)
     prompt_tokens = prompt_tokens or longest_prompt(cfg)
     phases, details = phase_bytes(cfg, rows, shapes, precision, prompt_tokens, spec.world_size)
+    add_resident_engine(cfg, rows, phases, details, device)
     if device == "cpu" and conversion:  # on CUDA the files are read into host memory, not the GPU's
         phases["loading"], details["loading"] = conversion, "weight files read while converting them"
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else process_rss()  # GPU memory is not the process's RSS

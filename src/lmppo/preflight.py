@@ -148,10 +148,11 @@ def run_preflight(
     rank: int = 0,
     world_size: int = 1,
     group=None,
+    generator=None,
 ) -> Preflight:
     """Sample ``diagnosis.preflight_batches * rollout.batch_size`` training prompts with ``policy`` as
-    training samples them, score them with ``reward_fn``, and summarise (global under a process group:
-    every rank returns the same)."""
+    training samples them (``generator``: the run's engine when it has its own weights), score them with
+    ``reward_fn``, and summarise (global under a process group: every rank returns the same)."""
     n = cfg.diagnosis.preflight_batches * cfg.rollout.batch_size
     mine, my_slices = preflight_prompts(prompts, slices, n, cfg.run.seed, rank, world_size)
     result = evaluate_policy(
@@ -164,6 +165,8 @@ def run_preflight(
         batch_size=cfg.run.eval_batch_size,
         seed=cfg.run.seed,
         group=group,
+        generator=generator,
+        sample_ids=list(range(n))[rank::world_size],
     )
     return summarise(result.rows)
 

@@ -78,6 +78,9 @@ class RunSpec:
     sharded: bool  # FSDP2 over several ranks: the models are split, every pass outside the update gathers
     sharded_checkpoints: bool  # each rank writes its own shards
     values_from_decode: bool  # a shared-trunk critic's values read off the decode loop's hidden states
+    engine_owns_weights: (
+        bool  # the rollout engine samples from its own copy of the policy, synced each update
+    )
     policy: RoleSpec
     reference: RoleSpec
     rewards: tuple[RoleSpec, ...]  # one per reward component, in the config's order
@@ -104,7 +107,7 @@ def resolve(
     device = torch.device(device) if device is not None else resolve_device(cfg.run.device, present=present)
     precision, precision_reason = resolve_precision(cfg.run.precision, device)
     check_distributed(cfg, world_size)
-    check_engine(cfg, world_size)
+    check_engine(cfg)
     if cfg.run.algorithm == "best_of_n" and world_size > 1:
         raise LmppoError(
             "best-of-n runs in one process (each rank would keep another number of winners, and its SFT "
@@ -131,7 +134,9 @@ def resolve(
         values_from_decode=critic
         and cfg.models.value.mode == "shared"
         and not sharded
-        and cfg.rollout.engine == "hf",
+        and cfg.rollout.engine == "hf"
+        and not cfg.rollout.asynchronous,
+        engine_owns_weights=cfg.rollout.engine == "vllm" or cfg.rollout.asynchronous,
         policy=policy,
         reference=reference_role(cfg, precision, policy, frozen_shards),
         rewards=rewards,
@@ -341,10 +346,11 @@ def check_memory_rungs(
                 "frozen models whole on each rank (distributed.shard_frozen=false) and the QLoRA policy under "
                 "distributed.strategy=ddp, or remove the key"
             )
-    if policy.quantize and cfg.rollout.engine == "vllm":
+    if policy.quantize and (cfg.rollout.engine == "vllm" or cfg.rollout.asynchronous):
         raise LmppoError(
-            "models.policy.quantize: the vLLM engine receives the policy's weights every step and takes no "
-            "quantized ones from lmppo; use rollout.engine=hf with a quantized policy base"
+            "models.policy.quantize: an engine with its own copy of the policy (rollout.engine=vllm or "
+            "rollout.asynchronous) receives the policy's weights every step and takes no quantized ones from "
+            "lmppo; use synchronous rollouts on rollout.engine=hf with a quantized policy base"
         )
     if critic and cfg.models.value.mode == "separate":
         base = policy if cfg.models.value.init_from == "policy" else first_reward_model(cfg)
@@ -372,12 +378,15 @@ def first_reward_model(cfg: Config) -> ModelSource | None:
     return next((s.model for s in cfg.reward.sources() if s.model is not None), None)
 
 
-def check_engine(cfg: Config, world_size: int) -> None:
-    """vLLM runs in one process and loads the policy from a transformers directory."""
+def check_engine(cfg: Config) -> None:
+    """vLLM loads the policy from a transformers directory; best-of-n samples synchronously."""
+    if cfg.rollout.asynchronous and cfg.run.algorithm == "best_of_n":
+        raise LmppoError(
+            "rollout.asynchronous overlaps sampling with a PPO update; best-of-n fine-tunes on each round's "
+            "winners before sampling again, so it has nothing to overlap; remove the key"
+        )
     if cfg.rollout.engine != "vllm":
         return
-    if world_size > 1:
-        raise LmppoError("rollout.engine=vllm runs with one process; use rollout.engine=hf under torchrun")
     if cfg.models.policy.gguf_file or not Path(cfg.models.policy.path).is_dir():
         raise LmppoError(
             "rollout.engine=vllm loads models.policy.path as a transformers directory; convert a "

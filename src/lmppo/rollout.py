@@ -64,6 +64,7 @@ class Rollout:
     prompts: list
     response_texts: list[str]
     temperature: float = 1.0
+    generation_s: float = 0.0  # seconds the engine sampled this batch (on a worker thread when asynchronous)
     values: torch.Tensor | None = None  # V before each response token (the decode loop's or a stored pass)
     bootstrap_value: torch.Tensor | None = None  # V after the last token of a truncated row, else 0
     logp_ref: torch.Tensor | None = None
@@ -508,12 +509,22 @@ def balanced_over_ranks(minibatch: Rollout, world_size: int, rank: int, group) -
 # --------------------------------------------------------------------------------------------------
 
 
+def sample_seed(seed: int, sample_id: int) -> int:
+    """The sampling seed of one response (or of a batch, from its first): the run's seed and the sample's
+    place in the prompt stream, so a sample draws the same tokens on any number of ranks and before and
+    after a resume."""
+    return (seed << 32) + sample_id
+
+
 class Generator(Protocol):
     """Anything that turns prompts into a :class:`Rollout`: :class:`HFGenerator`, or
     :class:`lmppo.vllm_engine.VLLMGenerator`. An engine that samples from its own copy of the weights also
-    has ``sync_weights(policy, policy_version)``, which the trainer calls after every policy update."""
+    has ``sync_weights(policy, policy_version)``, which the trainer calls after every policy update.
+    ``sample_ids`` place each prompt in the prompt stream; a seeded engine draws from them."""
 
-    def generate(self, prompts: Sequence[Prompt], policy_version: int) -> Rollout: ...
+    def generate(
+        self, prompts: Sequence[Prompt], policy_version: int, sample_ids: Sequence[int] | None = None
+    ) -> Rollout: ...
 
 
 def _cache_argument(model) -> str:
@@ -583,6 +594,9 @@ class HFGenerator:
     transformers' own (tempered scores, top-k, top-p, ``torch.multinomial``), so a seed gives the same
     tokens as ``model.generate`` would.
 
+    ``seed`` (default: none) draws each batch from its own stream, seeded by ``seed`` and the batch's first
+    sample id, instead of the global RNG (an engine sampling on another thread than the trainer's).
+
     A rendered prompt longer than ``max_prompt_length`` (default: the context window minus
     ``max_new_tokens``) is an error naming the row, unless ``truncate_prompts`` keeps its last tokens.
 
@@ -609,6 +623,7 @@ class HFGenerator:
         truncate_prompts: bool = False,
         value_model: ValueModel | None = None,
         bootstrap_values: bool = True,
+        seed: int | None = None,
     ) -> None:
         if value_model is not None and not value_model.shared_trunk:
             raise ValueError("HFGenerator reads values only from a head on the policy's own trunk")
@@ -626,7 +641,7 @@ class HFGenerator:
         if not stops:
             raise LmppoError("the tokenizer has no EOS token; give `stop_token_ids` so responses can end.")
         self.model, self.tokenizer, self.value_model = model, tokenizer, value_model
-        self.bootstrap_values = bootstrap_values
+        self.bootstrap_values, self.seed = bootstrap_values, seed
         self.max_new_tokens = max_new_tokens
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.stop_token_ids = sorted(stops)
@@ -682,12 +697,15 @@ class HFGenerator:
             query_mask[i, width - len(ids) :] = 1
         return query_ids, query_mask
 
-    def generate(self, prompts: Sequence[Prompt], policy_version: int) -> Rollout:
+    def generate(
+        self, prompts: Sequence[Prompt], policy_version: int, sample_ids: Sequence[int] | None = None
+    ) -> Rollout:
         """Sample one response per prompt; ``logp_old`` is recorded while sampling."""
         device = next(self.model.parameters()).device
         query_ids, query_mask = (t.to(device) for t in self._query_batch(prompts))
+        sample_ids = list(range(len(prompts))) if sample_ids is None else list(sample_ids)
         with torch.inference_mode(), eval_mode(self.model), lora_merged(self.model):
-            response_ids, logp_old, values = self._sample(query_ids, query_mask)
+            response_ids, logp_old, values = self._sample(query_ids, query_mask, sample_ids)
         # clone outside inference mode: the PPO update feeds these to autograd, which rejects inference tensors
         response_ids, logp_old = response_ids.clone(), logp_old.clone()
         response_mask, terminated = response_mask_from_ids(response_ids, self.stop_token_ids)
@@ -714,7 +732,7 @@ class HFGenerator:
         )
 
     def _sample(
-        self, query_ids: torch.Tensor, query_mask: torch.Tensor
+        self, query_ids: torch.Tensor, query_mask: torch.Tensor, sample_ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Ancestral sampling: a prefill over the queries, then one single-token forward per step.
 
@@ -726,6 +744,9 @@ class HFGenerator:
         """
         batch, width = query_ids.shape
         device = query_ids.device
+        rng = None  # the global RNG, unless seeded
+        if self.seed is not None:
+            rng = torch.Generator(device).manual_seed(sample_seed(self.seed, sample_ids[0]))
         cache = {
             _cache_argument(self.model): static_cache(
                 unwrap_model(self.model).config, max_cache_len=width + self.max_new_tokens
@@ -761,7 +782,7 @@ class HFGenerator:
         position = positions[:, -1:]
         tokens, logps = [], []
         for step in range(self.max_new_tokens):
-            token, logp = self._draw(logits)
+            token, logp = self._draw(logits, rng)
             token = token.masked_fill(finished, self.pad_token_id)
             tokens.append(token)
             logps.append(logp)
@@ -780,7 +801,9 @@ class HFGenerator:
         values += [torch.zeros_like(values[0])] * (len(tokens) + 1 - len(values))  # finished: never read
         return torch.stack(tokens, dim=1), torch.stack(logps, dim=1), torch.stack(values, dim=1)
 
-    def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw(
+        self, logits: torch.Tensor, rng: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row from ``softmax(logits / T)`` (top-k / top-p applied) and its untruncated log-prob."""
         scores = logits.float() / self.temperature
         logp = torch.log_softmax(scores, dim=-1)
@@ -788,7 +811,7 @@ class HFGenerator:
             scores = TopKLogitsWarper(self.top_k)(None, scores)
         if self.top_p < 1.0:
             scores = TopPLogitsWarper(self.top_p)(None, scores)
-        token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=rng).squeeze(1)
         return token, logp.gather(1, token[:, None]).squeeze(1)
 
     def _decode(

@@ -153,9 +153,16 @@ def _train(
         barrier(dist_info.group)  # every rank has looked for a checkpoint before rank 0 writes the first one
         plan = check_plan(cfg, spec, force)  # no OOM an hour in
         run = PPORun(cfg, spec, dist_info, plan, evaluator_factory)
-        if checkpoint is not None:
-            run.resume(checkpoint, allow_config_change)
-        return run.run()
+        try:
+            if checkpoint is not None:
+                run.resume(checkpoint, allow_config_change)
+            run_dir = run.run()
+            barrier(dist_info.group)  # every rank done before a vLLM engine's shutdown tears the group down
+        except BaseException:
+            run.trainer.close(abandon=True)  # another rank may be gone: nothing that waits for it
+            raise
+        run.trainer.close()
+        return run_dir
 
 
 def numerics_line(spec: RunSpec) -> str:
@@ -220,11 +227,15 @@ class PPORun:
             prompt,
         ) in located_prompts:  # a bad prompt is named by its file and line now, not at some step
             self.trainer.generator.query_ids(prompt, where)
+        # held-out evaluation and the pre-flight sample as training does: on a vLLM engine when it has one
+        self.engine = self.trainer.generator if cfg.rollout.engine == "vllm" else None
         evaluator = evaluator_factory(models) if evaluator_factory else None
         if (
             evaluator is None and cfg.data.eval_prompts and cfg.run.eval_every
         ):  # the config's held-out evaluation
-            evaluator = run_evaluator(cfg, models, dist_info.rank, dist_info.world_size, dist_info.group)
+            evaluator = run_evaluator(
+                cfg, models, dist_info.rank, dist_info.world_size, dist_info.group, generator=self.engine
+            )
         self.evaluator = evaluator if cfg.run.eval_every > 0 else None
         if dist_info.world_size > 1:
             seed_everything(
@@ -293,7 +304,7 @@ class PPORun:
         with self.trainer.autocast(), gathered(models.policy, *models.reward_models):
             return run_preflight(
                 cfg, models.policy, models.tokenizer, models.reward, self.prompts, slices,
-                dist_info.rank, dist_info.world_size, dist_info.group,
+                dist_info.rank, dist_info.world_size, dist_info.group, self.engine,
             )  # fmt: skip
 
     def start(self) -> tuple[dict[str, float], Preflight | None]:

@@ -30,6 +30,7 @@ from lmppo.distributed import (
     gathered,
     trained_state_bytes,
 )
+from lmppo.engines import RolloutsAhead
 from lmppo.errors import LmppoError
 from lmppo.metrics import timed
 from lmppo.models import PPOModels, autocast, trainable_parameters
@@ -94,6 +95,10 @@ class PPOTrainer:
         self.policy_version = 0  # PPO steps that changed the policy; each rollout records the one it saw
         self.episodes = 0  # responses generated (all ranks)
         self.tokens = 0  # response tokens generated (all ranks)
+        # rollout.asynchronous: the next batch samples on a worker thread while this one is updated on
+        self.ahead = (
+            RolloutsAhead(self.generator, self.prompt_stream, self.autocast) if r.asynchronous else None
+        )
 
     def autocast(self):
         """The numerics of every forward pass: bf16 autocast under ``run.precision=bf16``, else nothing."""
@@ -106,8 +111,10 @@ class PPOTrainer:
         critic_only = self.step_count < cfg.ppo.critic_warmup_steps  # critic warmup: the policy waits
         with timed(seconds, "perf/step_s"):
             # 1. Rollout: sample responses with the current policy; refuse data older than allowed.
-            with timed(seconds, "perf/rollout_s"), self.autocast(), gathered(self.policy):
+            trained_weights = None if self.spec.engine_owns_weights else self.policy
+            with timed(seconds, "perf/rollout_s"), self.autocast(), gathered(trained_weights):
                 rollout = self.collect_rollout()
+            seconds["perf/generation_s"] = rollout.generation_s or seconds["perf/rollout_s"]
             lag = self.policy_version - rollout.policy_version
 
             # 2-3. Reward, stored passes, shaped rewards, GAE, whitening (filled into the rollout).
@@ -161,15 +168,31 @@ class PPOTrainer:
         sync = getattr(self.generator, "sync_weights", None)  # optional in the Generator protocol
         if sync is None:  # HFGenerator samples from the trained module itself
             return
+        if self.ahead is not None:  # the batch in flight finishes on the weights it started with
+            self.ahead.finished()
         with timed(seconds if seconds is not None else {}, "perf/weight_sync_s"):
             sync(self.policy, self.policy_version)
 
+    def close(self, abandon: bool = False) -> None:
+        """Let the batch in flight finish and shut the engine down (vLLM: before the process group ends);
+        ``abandon`` (the run failed, a rank may be gone): drop both without any collective teardown."""
+        if self.ahead is not None:
+            self.ahead.close(abandon)
+        if hasattr(self.generator, "close"):
+            self.generator.close(abandon)
+
     def collect_rollout(self) -> Rollout:
-        """Generate for the next prompts; regenerate when the rollout lags more than allowed."""
+        """Generate for the next prompts, or asynchronously take the batch sampled during the last update
+        and start sampling the next; regenerate when the rollout lags more than allowed."""
         max_age = self.cfg.rollout.max_rollout_age
+        rollout = self.ahead.take() if self.ahead is not None else None
         for _ in range(3):
-            rollout = self.generator.generate(self.prompt_stream.next_batch(), self.policy_version)
+            if rollout is None or self.policy_version - rollout.policy_version > max_age:
+                batch = self.prompt_stream.next_samples()
+                rollout = self.generator.generate(batch.prompts, self.policy_version, batch.sample_ids)
             if self.policy_version - rollout.policy_version <= max_age:
+                if self.ahead is not None:
+                    self.ahead.start_next(self.policy_version)
                 return rollout
         raise LmppoError(
             f"the generator keeps returning rollouts {self.policy_version - rollout.policy_version} policy "

@@ -37,6 +37,7 @@ from lmppo.distributed import (
     whole_group,
 )
 from lmppo.errors import LmppoError, warn
+from lmppo.rollout import Rollout, concat_rollouts, trim_padding
 from lmppo.trainer import PPOTrainer
 
 TensorGroups = dict[str, dict[str, torch.Tensor]]
@@ -91,7 +92,30 @@ def state_payload(trainer: PPOTrainer) -> tuple[TensorGroups, dict]:
         "rng": [j for j, _ in per_rank],  # one entry per rank
         "sharded_ranks": trainer.world_size if trainer.spec.sharded_checkpoints else None,
     }
+    if trainer.ahead is not None:  # rollout.asynchronous: the batch in flight, sampled by older weights
+        in_flight = trainer.ahead.finished()
+        pending = gather_objects(None if in_flight is None else in_flight.to("cpu"), trainer.group)
+        if all(part is not None for part in pending):
+            tensors["pending_rollout"], state["pending_rollout"] = _rollout_record(concat_rollouts(pending))
     return tensors, state
+
+
+def _rollout_record(rollout: Rollout) -> tuple[dict[str, torch.Tensor], dict]:
+    """A freshly sampled rollout (no estimates yet) as tensors and JSON."""
+    tensors = {name: getattr(rollout, name).cpu() for name in Rollout._ROW_TENSORS}
+    fields = ("policy_version", "created_at", "prompts", "response_texts", "temperature", "generation_s")
+    return tensors, {name: getattr(rollout, name) for name in fields}
+
+
+def _restore_pending_rollout(trainer: PPOTrainer, tensors: TensorGroups, state: dict) -> None:
+    """The batch that was in flight at the checkpoint, every rank taking its own rows (the world size may
+    have changed: rows are in the prompt stream's global order), for the next step to train on."""
+    if trainer.ahead is None or state.get("pending_rollout") is None:
+        return  # synchronous now, or nothing in flight: the next step samples afresh
+    saved = Rollout(**{k: v for k, v in tensors["pending_rollout"].items()}, **state["pending_rollout"])
+    per_rank = len(saved) // trainer.world_size
+    mine = saved.select(slice(trainer.rank * per_rank, (trainer.rank + 1) * per_rank))
+    trainer.ahead.put(trim_padding(mine).to(trainer.device))
 
 
 def _whole(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
@@ -127,6 +151,7 @@ def load_state_payload(trainer: PPOTrainer, tensors: TensorGroups, state: dict) 
     _restore_rank_rng(trainer, tensors["rng"], state["rng"], int(state["step"]))
     trainer.step_count, trainer.policy_version = int(state["step"]), int(state["policy_version"])
     trainer.sync_generator()  # an engine with its own weights gets the restored policy
+    _restore_pending_rollout(trainer, tensors, state)
     trainer.episodes, trainer.tokens = int(state["episodes"]), int(state["tokens"])
 
 
