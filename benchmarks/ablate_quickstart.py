@@ -65,6 +65,7 @@ ROWS: dict[str, list[str]] = {
     "rollout batch 64": ["rollout.batch_size=64", "ppo.minibatch_size=32"],
     "clean ptx 0.05": ["ppo.ptx_coef=0.05", f"data.ptx_demonstrations={CLEAN_DEMOS}"],
     "clean ptx 0.1": ["ppo.ptx_coef=0.1", f"data.ptx_demonstrations={CLEAN_DEMOS}"],
+    "asynchronous": ["rollout.asynchronous=true"],  # one-step-off: each batch sampled one version behind
     "mean of 3 RMs": [
         "reward.model=null",
         "reward.batch_size=16",  # the default: with components, each sets its own

@@ -67,7 +67,9 @@ class PPOTrainer:
     """PPO on a policy, a frozen reference, a reward and a critic; :meth:`step` is one iteration:
 
     1. **Rollout** (:meth:`collect_rollout`): sample one response per prompt with the current policy,
-       recording ``logp_old`` and the policy version; regenerate a rollout older than allowed.
+       recording ``logp_old`` and the policy version; regenerate a rollout older than allowed. With
+       ``rollout.asynchronous`` take the batch sampled during the last update instead (one version behind)
+       and start sampling the next (:class:`lmppo.engines.RolloutsAhead`).
     2. **Reward** (:meth:`score_and_estimate`): the raw score of each response, preprocessed, on its last
        valid token, plus ``-beta * KL`` per token against the reference's stored log-probs.
     3. **Advantages**: stored values, masked GAE over the response (returns = A + V), whitening with
