@@ -58,7 +58,16 @@ def run_row(name: str, args, model_dir: Path) -> list[dict]:
     out = args.work_dir / name.replace(" ", "_")
     launcher = [sys.executable, "-m", "lmppo"]
     if ranks > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "lmppo"]
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "lmppo",
+        ]
     command = [
         *launcher,
         "ppo",

@@ -7,12 +7,17 @@ from transformers import LlamaForCausalLM
 
 from lmppo.engines import policy_weights
 from lmppo.lora import apply_lora
+from lmppo.rollout import HFGenerator
+
+
+def policy_tokenizer():
+    return build_tokenizer(
+        POLICY_SPECIALS, list(WORDS), pad="<pad>", eos="</s>", bos="<s>", chat_template=POLICY_TEMPLATE
+    )
 
 
 def test_policy_weights_fold_lora_in_without_touching_the_model():
-    tokenizer = build_tokenizer(
-        POLICY_SPECIALS, list(WORDS), pad="<pad>", eos="</s>", bos="<s>", chat_template=POLICY_TEMPLATE
-    )
+    tokenizer = policy_tokenizer()
     torch.manual_seed(0)
     base = LlamaForCausalLM(llama_config(tokenizer))
     expected_names = {name for name, _ in base.named_parameters()}
@@ -27,3 +32,26 @@ def test_policy_weights_fold_lora_in_without_touching_the_model():
     assert all(torch.equal(v, policy.state_dict()[k]) for k, v in before.items())  # model unchanged
     merged = policy.merge_and_unload().state_dict()
     assert all(torch.allclose(weights[k], merged[k], atol=1e-6) for k in expected_names)
+
+
+class OwnWeightsEngine(HFGenerator):
+    """An engine sampling from its own weights (as vLLM does): it records what the trained module looks
+    like while it samples and returns a fixed response."""
+
+    def _sample(self, query_ids, query_mask, sample_ids):
+        lora_layer = self.model.base_model.model.model.layers[0].self_attn.q_proj
+        self.seen = (self.model.training, lora_layer.base_layer.weight, lora_layer.disable_adapters)
+        response = torch.full((len(sample_ids), 2), self.stop_token_ids[0])
+        return response, torch.zeros(response.shape), None
+
+
+def test_an_engine_with_its_own_weights_leaves_the_trained_module_alone_while_it_samples():
+    """With rollout.asynchronous an engine samples on a worker thread while the update trains the policy:
+    the transformers loop's LoRA fold (a swapped-in base weight) and eval mode must not reach it."""
+    tokenizer = policy_tokenizer()
+    policy = apply_lora(LlamaForCausalLM(llama_config(tokenizer)), r=2, alpha=4).train()
+    base_weight = policy.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    engine = OwnWeightsEngine(policy, tokenizer, max_new_tokens=2)
+    engine.generate([[{"role": "user", "content": "a b"}]], policy_version=0)
+    training, weight_while_sampling, adapters_off = engine.seen
+    assert training and weight_while_sampling is base_weight and not adapters_off

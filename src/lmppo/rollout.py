@@ -704,7 +704,7 @@ class HFGenerator:
         device = next(self.model.parameters()).device
         query_ids, query_mask = (t.to(device) for t in self._query_batch(prompts))
         sample_ids = list(range(len(prompts))) if sample_ids is None else list(sample_ids)
-        with torch.inference_mode(), eval_mode(self.model), lora_merged(self.model):
+        with torch.inference_mode():
             response_ids, logp_old, values = self._sample(query_ids, query_mask, sample_ids)
         # clone outside inference mode: the PPO update feeds these to autograd, which rejects inference tensors
         response_ids, logp_old = response_ids.clone(), logp_old.clone()
@@ -732,6 +732,15 @@ class HFGenerator:
         )
 
     def _sample(
+        self, query_ids: torch.Tensor, query_mask: torch.Tensor, sample_ids: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The decode loop on ``self.model`` in eval mode, its LoRA adapters folded for the loop. An engine
+        that overrides this never touches the trained module: with ``rollout.asynchronous`` it samples while
+        the update trains that module on another thread."""
+        with eval_mode(self.model), lora_merged(self.model):
+            return self._decode_loop(query_ids, query_mask, sample_ids)
+
+    def _decode_loop(
         self, query_ids: torch.Tensor, query_mask: torch.Tensor, sample_ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Ancestral sampling: a prefill over the queries, then one single-token forward per step.

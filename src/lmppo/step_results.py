@@ -6,6 +6,7 @@ The trainer steers by these records' fields; the dictionaries here are only what
 from __future__ import annotations
 
 import math
+import resource
 import time
 from dataclasses import astuple, dataclass, fields
 
@@ -147,6 +148,33 @@ def update_metrics(totals: TokenMeans, results: list[MinibatchResult], kl_in_los
     if results[0].ptx_loss is not None:
         metrics["ptx/loss"] = sum(r.ptx_loss for r in results) / n
     return metrics
+
+
+def step_metrics(
+    estimates: Estimates,
+    update: UpdateResult,
+    *,
+    beta: float,
+    lag: int,
+    seconds: dict[str, float],
+    n_tokens: float,
+) -> dict[str, float]:
+    """One step's metrics from its records: the reward side, the update, the controller's beta, the lag and
+    the phase times with the throughputs made from them."""
+    return {
+        **estimates.metrics,
+        **update.metrics,
+        "policy/epochs": float(update.epochs),
+        "policy/updates": float(update.updates),
+        "health/nonfinite_updates": float(update.nonfinite_updates),
+        "kl/beta": beta,
+        "lag/policy_versions": float(lag),
+        "health/nonfinite": estimates.metrics["health/nonfinite"] + update.nonfinite_updates,
+        **seconds,
+        "perf/rollout_tokens_per_s": n_tokens / max(seconds["perf/rollout_s"], 1e-9),
+        "perf/train_tokens_per_s": n_tokens * update.epochs / max(seconds["perf/update_s"], 1e-9),
+        "perf/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 def nonfinite_count(rm_score_raw, logp_ref, values, mask, group) -> float:

@@ -10,7 +10,6 @@ model) is :mod:`lmppo.run`. This module only orders the step and keeps its books
 from __future__ import annotations
 
 import math
-import resource
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import astuple, dataclass, fields
@@ -43,6 +42,7 @@ from lmppo.step_results import (
     TokenMeans,
     UpdateResult,
     rollout_metrics,
+    step_metrics,
     update_metrics,
 )
 
@@ -143,20 +143,7 @@ class PPOTrainer:
         n_tokens = estimates.mean_length * self.cfg.rollout.responses_per_step
         self.episodes += self.cfg.rollout.responses_per_step
         self.tokens += round(n_tokens)
-        metrics = {
-            **estimates.metrics,
-            **update.metrics,
-            "policy/epochs": float(update.epochs),
-            "policy/updates": float(update.updates),
-            "health/nonfinite_updates": float(update.nonfinite_updates),
-            "kl/beta": beta,
-            "lag/policy_versions": float(lag),
-            "health/nonfinite": estimates.metrics["health/nonfinite"] + update.nonfinite_updates,
-            **seconds,
-            "perf/rollout_tokens_per_s": n_tokens / max(seconds["perf/rollout_s"], 1e-9),
-            "perf/train_tokens_per_s": n_tokens * update.epochs / max(seconds["perf/update_s"], 1e-9),
-            "perf/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        }
+        metrics = step_metrics(estimates, update, beta=beta, lag=lag, seconds=seconds, n_tokens=n_tokens)
         if self.device.type == "cuda":
             metrics["perf/peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         if self.comm_counter is not None:
