@@ -25,6 +25,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CONFIG = ROOT / "examples" / "smollm2" / "ppo_judge.yaml"
+sys.path.insert(0, str(ROOT / "tests"))
+from helpers import TORCHRUN_LMPPO  # noqa: E402
+
 ASYNC = ["rollout.asynchronous=true"]
 ROWS: dict[str, tuple[int, list[str]]] = {  # name: (ranks, overrides)
     "vllm": (1, []),
@@ -45,7 +48,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def smollm2_dir() -> Path:
-    sys.path.insert(0, str(ROOT / "tests"))
     from test_smollm2 import CACHE_DIR, smollm2_gguf
 
     from lmppo.loading import cache_gguf_as_transformers
@@ -56,18 +58,7 @@ def smollm2_dir() -> Path:
 def run_row(name: str, args, model_dir: Path) -> list[dict]:
     ranks, overrides = ROWS[name]
     out = args.work_dir / name.replace(" ", "_")
-    launcher = [sys.executable, "-m", "lmppo"]
-    if ranks > 1:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "lmppo",
-        ]
+    launcher = TORCHRUN_LMPPO if ranks > 1 else [sys.executable, "-m", "lmppo"]
     command = [
         *launcher,
         "ppo",

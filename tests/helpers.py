@@ -207,21 +207,22 @@ def write_config(path, **sections):
     return out
 
 
+# ``torchrun --standalone --nproc-per-node 2 -m lmppo``: torchrun's module form, as in the docs
+TORCHRUN_LMPPO = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc-per-node",
+    "2",
+    "-m",
+    "lmppo",
+]
+
+
 def torchrun(*args: str) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node 2 -m lmppo ppo ARGS`` (torchrun's module form, as in the docs)."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "lmppo",
-        "ppo",
-        *args,
-        "--quiet",
-    ]
+    """``lmppo ppo ARGS --quiet`` on 2 ranks (:data:`TORCHRUN_LMPPO`)."""
+    command = [*TORCHRUN_LMPPO, "ppo", *args, "--quiet"]
     return subprocess.run(
         command,
         capture_output=True,
