@@ -28,17 +28,22 @@ class Section(BaseModel):
 class LoraConfig(Section):
     """LoRA adapters (peft) on a trained model; ``enabled: false`` trains all weights."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="train LoRA adapters instead of every weight")
     r: int = Field(8, gt=0, description="adapter rank")
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] | Literal["all-linear"] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    alpha: float = Field(16.0, gt=0, description="scale: the adapter's update is multiplied by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="module names that get adapters, or all-linear (every linear layer but the output head)",
+    )
 
 
 class ModelSource(Section):
     """Where a model comes from: a local transformers directory, or a GGUF file inside it."""
 
-    path: str
+    path: str = Field(
+        description="a transformers model directory, a .gguf file, or a hub id already in the local HF cache"
+    )
     gguf_file: str | None = Field(None, description="file name of a GGUF checkpoint inside `path`")
     dtype: Dtype | None = Field(
         None,
@@ -56,20 +61,27 @@ class ModelSource(Section):
         description="frozen models on CUDA only: weights in pinned host memory, brought to the GPU whole for "
         "each pass (model) or one layer at a time (layers)",
     )
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(
+        False, description="run the model's own modelling code from its directory"
+    )
     chat_template: str | None = Field(None, description="Jinja template overriding the tokenizer's own")
 
 
 class ValueConfig(Section):
     """The critic: a separate network, or a scalar head on the policy's backbone (``shared``)."""
 
-    mode: Literal["separate", "shared"] = "separate"
+    mode: Literal["separate", "shared"] = Field(
+        "separate",
+        description="separate = its own network (init_from), shared = a scalar head on the policy's trunk",
+    )
     init_from: Literal["reward", "policy"] = Field("reward", description="backbone of a separate critic")
     lora: LoraConfig = LoraConfig()
 
 
 class ModelsConfig(Section):
-    policy: ModelSource
+    """The four models: the trained policy, its frozen reference and the critic (the reward is its own section)."""
+
+    policy: ModelSource = Field(description="the model PPO trains, usually an SFT checkpoint")
     policy_lora: LoraConfig = LoraConfig()
     reference: ModelSource | None = Field(
         None, description="defaults to the policy's starting weights (the adapter disabled with LoRA)"
@@ -81,12 +93,15 @@ class RewardSource(Section):
     """One reward: a learned reward model *or* a programmatic ``module:function``, and its preprocessing
     (in this order: missing-EOS penalty, running normalisation, clip)."""
 
-    model: ModelSource | None = None
+    model: ModelSource | None = Field(
+        None,
+        description="a learned reward model (sequence classification), read with its own tokenizer and template",
+    )
     function: str | None = Field(
         None,
         description="'package.module:function' or 'path/to/file.py:function' taking (prompts, responses)",
     )
-    batch_size: int = Field(16, gt=0)
+    batch_size: int = Field(16, gt=0, description="rows per reward-model forward or reward-function call")
     batch_tokens: int | None = Field(
         None,
         gt=0,
@@ -124,8 +139,8 @@ class RewardGate(Section):
     """Llama 2's safety gate: rows whose ``component`` scores (raw) below ``below`` get that component's
     preprocessed score alone instead of the weighted sum."""
 
-    component: str
-    below: float
+    component: str = Field(description="the name of the gating component")
+    below: float = Field(description="raw score under which a row gets the gating component's score alone")
 
 
 class RewardConfig(RewardSource):
@@ -172,8 +187,12 @@ class RewardConfig(RewardSource):
 
 
 class DataConfig(Section):
+    """Prompts to train on and held-out data to evaluate on."""
+
     prompts: str = Field(description="JSONL file ({'prompt'} or {'messages'} per row) or a datasets dir")
-    eval_prompts: str | None = None
+    eval_prompts: str | None = Field(
+        None, description="held-out prompts (same formats as prompts), evaluated every run.eval_every steps"
+    )
     eval_judge: str | None = Field(
         None,
         description="'module:function' or 'file.py:function', (prompt, response) -> float: the held-out "
@@ -190,14 +209,20 @@ class DataConfig(Section):
         description="the prompt-row field naming a prompt's slice (task type, source): the reward pre-flight "
         "reports the RM score per slice when every row has it",
     )
-    shuffle: bool = True
+    shuffle: bool = Field(True, description="reshuffle the prompts every epoch (seeded by run.seed)")
     raw_prompts: bool = Field(False, description="feed prompts as plain text, without a chat template")
-    max_prompt_length: int | None = Field(None, gt=0)
+    max_prompt_length: int | None = Field(
+        None,
+        gt=0,
+        description="longest rendered prompt in policy tokens; longer ones fail (or truncate_prompts)",
+    )
     truncate_prompts: bool = Field(False, description="cut long prompts (from the left) instead of failing")
     ptx_demonstrations: str | None = Field(None, description="JSONL of {prompt, response} for PPO-ptx")
 
 
 class RolloutConfig(Section):
+    """Sampling: the engine, the batch of prompts per step and how responses are drawn and cut."""
+
     engine: Literal["hf", "vllm"] = Field(
         "hf",
         description="hf: transformers decode loop on the trained module; vllm: an in-process vLLM engine "
@@ -217,10 +242,10 @@ class RolloutConfig(Section):
         description="responses sampled per prompt, one group: the rank that holds a prompt samples all of "
         "them, so group baselines (ppo.advantage=grpo, dr_grpo, rloo) always see whole groups",
     )
-    max_new_tokens: int = Field(32, gt=0)
-    temperature: float = Field(1.0, gt=0)
+    max_new_tokens: int = Field(32, gt=0, description="response length limit; longer responses are truncated")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature; logp_old is taken at it")
     top_k: int = Field(0, ge=0, description="0 = off")
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1 = off")
     stop_token_ids: list[int] = Field([], description="extra stop ids besides the tokenizer's EOS")
     asynchronous: bool = Field(
         False,
@@ -278,6 +303,8 @@ GROUP_BASELINES = ("grpo", "dr_grpo", "rloo")  # need rollout.samples_per_prompt
 
 
 class PPOConfig(Section):
+    """The update: the advantage estimator, PPO's epochs, minibatches, clipping, losses and optimiser."""
+
     advantage: Advantage = Field(
         "gae",
         description="gae: a critic's values and GAE; critic-free (no value model at all): grpo = the group's "
@@ -285,7 +312,7 @@ class PPOConfig(Section):
         "of the prompt, reinforce_pp = REINFORCE++'s KL-shaped returns whitened over the batch "
         "(docs/core.md)",
     )
-    ppo_epochs: int = Field(4, gt=0)
+    ppo_epochs: int = Field(4, gt=0, description="passes over each rollout batch")
     minibatch_size: int = Field(16, gt=0, description="responses per optimizer step (global, all ranks)")
     micro_batch_size: int | None = Field(None, gt=0, description="gradient accumulation inside a minibatch")
     micro_batch_tokens: int | None = Field(
@@ -294,13 +321,13 @@ class PPOConfig(Section):
         description="gradient accumulation by a token budget instead: each micro-batch of a rank "
         "holds at most this many query + response positions (padding included)",
     )
-    clip_eps: float = Field(0.2, gt=0)
-    value_clip_eps: float = Field(0.2, gt=0)
-    vf_coef: float = Field(0.5, ge=0)
-    ent_coef: float = Field(0.0, ge=0)
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
-    whiten_advantages: bool = True
+    clip_eps: float = Field(0.2, gt=0, description="the surrogate's ratio clip: [1 - eps, 1 + eps]")
+    value_clip_eps: float = Field(0.2, gt=0, description="how far a new value may move from the stored one")
+    vf_coef: float = Field(0.5, ge=0, description="weight of the value loss")
+    ent_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount per token")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda")
+    whiten_advantages: bool = Field(True, description="advantages to mean 0, std 1 over the whole batch")
     tis_cap: float | None = Field(
         None,
         gt=1,
@@ -311,13 +338,15 @@ class PPOConfig(Section):
     target_approx_kl: float | None = Field(
         None, gt=0, description="stop the epochs when approx KL exceeds it"
     )
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    lr: float = Field(1e-5, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0, description="gradient clipping by global norm; null = off")
+    lr: float = Field(1e-5, gt=0, description="the policy's AdamW learning rate")
     value_lr: float | None = Field(None, gt=0, description="defaults to lr")
-    weight_decay: float = Field(0.0, ge=0)
-    adam_eps: float = Field(1e-8, gt=0)
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW's epsilon")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="learning-rate schedule over run.steps, after the warmup"
+    )
+    warmup_steps: int = Field(0, ge=0, description="steps of linear learning-rate warmup")
     ptx_coef: float = Field(0.0, ge=0, description="weight of the SFT loss on data.ptx_demonstrations")
     critic_warmup_steps: int = Field(
         0,
@@ -330,7 +359,7 @@ class PPOConfig(Section):
         description="recompute each decoder layer's activations in the update's backward (policy and a "
         "separate critic): far less activation memory for about one more forward pass",
     )
-    ptx_batch_size: int = Field(8, gt=0)
+    ptx_batch_size: int = Field(8, gt=0, description="demonstrations per PPO-ptx loss term")
     loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
         "token_mean",
         description="how the policy's per-token loss (and kl.in_loss's term) is averaged over a minibatch: "
@@ -352,6 +381,8 @@ class PPOConfig(Section):
 
 
 class KLConfig(Section):
+    """The KL penalty to the reference: its estimator, coefficient (fixed or adaptive) and placement."""
+
     estimator: Literal["k1", "k2", "k3"] = Field(
         "k1", description="per-token KL estimator of the reward's penalty and the logged kl/ref"
     )
@@ -361,7 +392,7 @@ class KLConfig(Section):
         "token (reward/kl_penalty becomes policy/kl_loss), instead of -beta x KL in the reward",
     )
     beta: float = Field(0.05, ge=0, description="initial (or fixed) KL coefficient")
-    adaptive: bool = False
+    adaptive: bool = Field(False, description="steer beta toward kl.target (Ziegler et al.'s controller)")
     target: float = Field(6.0, gt=0, description="per-sequence KL the adaptive controller steers to")
     horizon: float = Field(10000.0, gt=0, description="in samples: beta moves <= 20% per horizon samples")
 
@@ -369,16 +400,20 @@ class KLConfig(Section):
 class GuardsConfig(Section):
     """Abort rules checked every step; ``null`` turns a rule off (see docs/metrics.md for ranges)."""
 
-    enabled: bool = True
+    enabled: bool = Field(
+        True, description="abort a run that breaks a rule, keeping the last good checkpoint"
+    )
     nonfinite_patience: int = Field(3, gt=0, description="consecutive steps with non-finite values")
-    value_loss_max: float | None = Field(1000.0, gt=0)
+    value_loss_max: float | None = Field(1000.0, gt=0, description="value/loss ceiling")
     kl_max: float | None = Field(30.0, gt=0, description="kl/ref budget, nats per sequence")
     entropy_min: float | None = Field(1e-3, ge=0, description="policy/entropy floor, nats per token")
-    length_min: float | None = Field(None, ge=0)
-    length_max: float | None = Field(None, gt=0)
-    eos_frac_min: float | None = Field(None, ge=0, le=1)
-    clip_frac_max: float | None = Field(0.5, gt=0, le=1)
-    max_policy_lag: int | None = Field(None, ge=0)
+    length_min: float | None = Field(None, ge=0, description="response/length floor, tokens")
+    length_max: float | None = Field(None, gt=0, description="response/length ceiling, tokens")
+    eos_frac_min: float | None = Field(
+        None, ge=0, le=1, description="floor of the share of responses that end"
+    )
+    clip_frac_max: float | None = Field(0.5, gt=0, le=1, description="policy/clip_frac ceiling")
+    max_policy_lag: int | None = Field(None, ge=0, description="lag/policy_versions ceiling")
     reward_without_eval_patience: int | None = Field(
         3,
         gt=0,
@@ -402,15 +437,19 @@ class BestOfNConfig(Section):
 
 
 class RunConfig(Section):
+    """The run: algorithm, length, seed, device and numerics, checkpoints and held-out evaluation."""
+
     algorithm: Literal["ppo", "best_of_n"] = Field(
         "ppo",
         description="ppo (lmppo ppo) or best_of_n (lmppo best-of-n: rejection sampling + SFT on the winners, "
         "one round per step, the best_of_n section)",
     )
-    output_dir: str = "runs/ppo"
+    output_dir: str = Field(
+        "runs/ppo", description="the run directory: checkpoints, metrics, the final policy"
+    )
     steps: int = Field(100, gt=0, description="PPO steps (rollout + update), or best-of-n rounds, in the run")
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = Field(0, description="seeds the prompts' order, the sampling and every initialisation")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when present, else CPU")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto",
         description="forward passes of all four models: bf16 = under bf16 autocast with fp32 master weights "
@@ -425,14 +464,16 @@ class RunConfig(Section):
     )
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: all cores)")
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = at the end only")
-    keep_last: int = Field(2, gt=0)
+    keep_last: int = Field(
+        2, gt=0, description="newest checkpoints kept (best/ and the newest good one are kept besides)"
+    )
     eval_every: int = Field(
         0,
         ge=0,
         description="steps between held-out evaluations of data.eval_prompts (also one at step 0, the "
         "starting policy); 0 = off",
     )
-    eval_batch_size: int = Field(32, gt=0)
+    eval_batch_size: int = Field(32, gt=0, description="held-out prompts sampled per batch")
 
     @model_validator(mode="after")
     def _no_fp16(self) -> RunConfig:
@@ -533,9 +574,14 @@ class DiagnosisConfig(Section):
 
 
 class LoggingConfig(Section):
-    sinks: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl"]
+    """Where metrics go and how progress is shown."""
+
+    sinks: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        ["jsonl"],
+        description="where metrics go; jsonl (metrics.jsonl in the run directory) is always written",
+    )
     quiet: bool = Field(False, description="plain log lines instead of a live progress display")
-    run_name: str | None = None
+    run_name: str | None = Field(None, description="the run's name in W&B or MLflow (default: theirs)")
 
 
 class Config(Section):
@@ -626,9 +672,9 @@ class Config(Section):
 class TrainingStage(Section):
     """Optimisation settings of a supervised stage (SFT or reward-model training): AdamW, cosine schedule."""
 
-    epochs: int = Field(1, gt=0)
-    lr: float = Field(1e-5, gt=0)
-    batch_size: int = Field(16, gt=0)
+    epochs: int = Field(1, gt=0, description="passes over the data")
+    lr: float = Field(1e-5, gt=0, description="AdamW's peak learning rate")
+    batch_size: int = Field(16, gt=0, description="examples per optimiser step")
 
 
 class SupervisedConfig(TrainingStage):
@@ -638,9 +684,11 @@ class SupervisedConfig(TrainingStage):
     data: str = Field(
         description="JSONL: {prompt, response} rows for sft, {prompt, chosen, rejected} for train-rm"
     )
-    eval_data: str | None = None
-    seed: int = 0
-    output_dir: str
+    eval_data: str | None = Field(
+        None, description="held-out rows of the same shape, evaluated when training ends"
+    )
+    seed: int = Field(0, description="seeds the data order and initialisation")
+    output_dir: str = Field(description="where the trained model is saved")
     lora: LoraConfig = Field(LoraConfig(), description="train LoRA adapters (merged into the saved model)")
 
     @model_validator(mode="after")
