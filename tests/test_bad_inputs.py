@@ -291,6 +291,25 @@ CASES = [
     Case("not UTF-8", "line 2: not UTF-8", prompts_file(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')),
     Case("no prompts", "holds no prompts", prompts_file("\n")),
     Case(
+        "prompt column missing",
+        "line 2 has no column 'question' (data.prompt_key)",
+        with_file(
+            "prompts.jsonl",
+            '{"question": "a"}\n{"prompt": "b"}\n',
+            lambda path: {"data": {"prompts": str(path), "prompt_key": "question"}},
+        ),
+    ),
+    Case(
+        "CSV not UTF-8",
+        "prompts.csv as CSV",
+        with_file("prompts.csv", b"prompt\ncaf\xe9\n", lambda path: {"data": {"prompts": str(path)}}),
+    ),
+    Case(
+        "Parquet that is not",
+        "prompts.parquet as Parquet",
+        with_file("prompts.parquet", "not parquet", lambda path: {"data": {"prompts": str(path)}}),
+    ),
+    Case(
         "dataset without state.json",
         "not a dataset",
         dataset_dir(lambda ds: [f.unlink() for f in ds.glob("*.json")]),

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from lmppo.data import PromptStream, load_demonstrations, load_prompts
+from lmppo.data import PromptStream, load_demonstrations, load_located_prompts, load_prompts, prompt_slices
 from lmppo.errors import LmppoError
 
 
@@ -20,6 +20,62 @@ def test_prompts_from_jsonl_strings_and_messages(tmp_path):
         tmp_path / "p.jsonl", [{"prompt": "hello"}, {"messages": messages}, {"prompt": messages}]
     )
     assert load_prompts(path) == ["hello", messages, messages]
+
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+ROWS = [{"question": "hello", "kind": "greet"}, {"question": "two plus two?", "kind": "math"}]
+
+
+def write_as(fmt: str, path, rows):
+    """``rows`` in one of the formats users hold prompts in."""
+    if fmt == "jsonl":
+        return write_jsonl(path / "p.jsonl", rows)
+    if fmt == "parquet":
+        import pyarrow
+        import pyarrow.parquet
+
+        pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path / "p.parquet")
+        return path / "p.parquet"
+    if fmt == "csv":
+        lines = ["question,kind", *(f"{r['question']},{r['kind']}" for r in rows)]
+        (path / "p.csv").write_text("\n".join(lines) + "\n")
+        return path / "p.csv"
+    if fmt == "dataset":
+        import datasets
+
+        datasets.Dataset.from_list(rows).save_to_disk(str(path / "ds"))
+        return path / "ds"
+    return rows  # the rows themselves (data.prompts as a list: the Python API)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "csv", "dataset", "rows"])
+def test_prompts_and_slices_from_every_format_through_the_column_mapping(tmp_path, fmt):
+    source = write_as(fmt, tmp_path, ROWS)
+    assert load_prompts(source, key="question") == ["hello", "two plus two?"]
+    assert prompt_slices(source, None, "kind") == ["greet", "math"]
+    with pytest.raises(LmppoError, match=r"row 1|line 2|line 1|item 1") as err:
+        load_prompts(source, key="prompt_text")
+    assert "no column 'prompt_text' (data.prompt_key)" in str(err.value)
+    assert "['kind', 'question']" in str(err.value)  # the columns it has
+
+
+def test_a_messages_column_from_parquet_and_plain_strings_as_rows(tmp_path):
+    source = write_as("parquet", tmp_path, [{"chat": MESSAGES}, {"chat": [MESSAGES[1]]}])
+    assert load_prompts(source, key="chat") == [MESSAGES, [MESSAGES[1]]]
+    located = load_located_prompts(["hi", {"prompt": "there"}])
+    assert located == [("data.prompts item 1", "hi"), ("data.prompts item 2", "there")]
+
+
+def test_a_hub_name_that_cannot_load_is_a_clear_error(tmp_path, monkeypatch):
+    import datasets
+
+    def unreachable(name, split):
+        raise ConnectionError(f"cannot reach the hub for {name}")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LmppoError, match=r"'owner/prompts' is no local file.*ConnectionError"):
+        load_prompts("owner/prompts")
 
 
 @pytest.mark.parametrize(

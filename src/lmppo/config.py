@@ -189,9 +189,19 @@ class RewardConfig(RewardSource):
 class DataConfig(Section):
     """Prompts to train on and held-out data to evaluate on."""
 
-    prompts: str = Field(description="JSONL file ({'prompt'} or {'messages'} per row) or a datasets dir")
-    eval_prompts: str | None = Field(
-        None, description="held-out prompts (same formats as prompts), evaluated every run.eval_every steps"
+    prompts: str | list[str | dict[str, Any]] = Field(
+        description="a JSONL, Parquet or CSV file, a directory saved by datasets' save_to_disk, a hub dataset "
+        "name (owner/name, where the hub is reachable), or the rows themselves; each row's prompt is a string "
+        "or a list of chat messages, in the column data.prompt_key"
+    )
+    prompt_key: str | None = Field(
+        None,
+        description="the column holding each row's prompt (text, or a list of {role, content} messages); "
+        "null = 'prompt', else 'messages'",
+    )
+    eval_prompts: str | list[str | dict[str, Any]] | None = Field(
+        None,
+        description="held-out prompts (same formats and prompt_key), evaluated every run.eval_every steps",
     )
     eval_judge: str | None = Field(
         None,

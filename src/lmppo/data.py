@@ -6,6 +6,8 @@ A prompt is either a string (rendered as one user turn) or a chat ``messages`` l
 
 from __future__ import annotations
 
+import csv
+import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,24 +152,97 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [row for _, row in located_jsonl(path)]
 
 
-def _located_rows(path: str | Path, split: str | None) -> list[tuple[str, dict[str, Any]]]:
-    """Rows of a JSONL file or of a dataset saved with ``datasets``' ``save_to_disk``, with where each is."""
-    path = Path(path)
-    if not path.is_dir():
-        return located_jsonl(path)
+PromptSource = str | Path | list  # a file, a dataset directory or hub name, or the rows themselves
+
+
+def _located_rows(source: PromptSource, split: str | None) -> list[tuple[str, dict[str, Any]]]:
+    """Rows of prompt data with where each is: rows given inline (a string is a ``prompt``), a JSONL,
+    Parquet or CSV file, a dataset saved with ``datasets``' ``save_to_disk``, or a hub dataset name."""
+    if isinstance(source, list):
+        return [
+            (f"data.prompts item {i + 1}", row if isinstance(row, dict) else {"prompt": row})
+            for i, row in enumerate(source)
+        ]
+    path = Path(source)
+    if path.is_dir():
+        return _dataset_dir_rows(path, split)
+    if path.suffix == ".parquet":
+        return _parquet_rows(_data_file(path))
+    if path.suffix == ".csv":
+        return _csv_rows(_data_file(path))
+    if not path.exists() and _looks_like_hub_name(str(source)):
+        return _hub_rows(str(source), split)
+    return located_jsonl(path)
+
+
+def _needs(what: str, package: str) -> None:
+    """Import ``package``, which only some formats need (the GPU machine has no ``datasets``)."""
+    try:
+        importlib.import_module(package)
+    except ImportError as err:
+        raise LmppoError(
+            f"{what}, and reading one needs the `{package.split('.')[0]}` package ({err}); install it "
+            f"(pip install {package.split('.')[0]}) or give a JSONL file"
+        ) from None
+
+
+def _parquet_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    _needs(f"{path} is a Parquet file", "pyarrow.parquet")
+    import pyarrow
+    import pyarrow.parquet
+
+    try:
+        rows = pyarrow.parquet.read_table(path).to_pylist()
+    except (OSError, pyarrow.ArrowException) as err:
+        raise LmppoError(
+            f"cannot read {path} as Parquet ({err}); write it again or give a JSONL file"
+        ) from None
+    return [(f"{path}, row {i + 1}", row) for i, row in enumerate(rows)]
+
+
+def _csv_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise LmppoError(
+            f"cannot read {path} as CSV ({err}); save it as UTF-8 CSV with a header row"
+        ) from None
+    return [(f"{path}, line {i + 2}", row) for i, row in enumerate(rows)]  # line 1 is the header
+
+
+def _looks_like_hub_name(source: str) -> bool:
+    """``owner/name``: two plain parts, no file suffix."""
+    parts = source.split("/")
+    return len(parts) == 2 and all(parts) and not Path(source).suffix and not source.startswith((".", "~"))
+
+
+def _hub_rows(name: str, split: str | None) -> list[tuple[str, dict[str, Any]]]:
+    """A dataset on the Hugging Face hub (needs the hub reachable, or the dataset in the local cache)."""
+    _needs(f"{name} names a hub dataset", "datasets")
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, split=split or "train")
+    except Exception as err:  # noqa: BLE001 - the hub's failures have many types; all mean the same here
+        raise LmppoError(
+            f"{name!r} is no local file, and loading it as a hub dataset failed ({type(err).__name__}: {err}); "
+            "give a JSONL, Parquet or CSV file, a saved dataset directory, or a reachable hub dataset"
+        ) from None
+    return [(f"{name} ({split or 'train'}), row {i + 1}", dict(row)) for i, row in enumerate(ds)]
+
+
+def _dataset_dir_rows(path: Path, split: str | None) -> list[tuple[str, dict[str, Any]]]:
+    """Rows of a dataset saved with ``datasets``' ``save_to_disk``."""
     if not any((path / name).is_file() for name in ("dataset_info.json", "state.json", "dataset_dict.json")):
         raise LmppoError(
             f"{path} is a directory but not a dataset saved with datasets' save_to_disk (no state.json or "
-            "dataset_dict.json in it); give a JSONL file or such a directory"
+            "dataset_dict.json in it); give a JSONL, Parquet or CSV file or such a directory"
         )
-    try:  # imported here: only dataset directories need it, and a minimal environment may lack it
-        import datasets
-        import pyarrow
-    except ImportError as err:
-        raise LmppoError(
-            f"{path} is a dataset directory, and reading one needs the `datasets` package ({err}); "
-            "install it (pip install datasets) or give a JSONL file"
-        ) from None
+    _needs(f"{path} is a dataset directory", "datasets")
+    import datasets
+    import pyarrow
+
     try:
         ds = datasets.load_from_disk(str(path))
     except (OSError, ValueError, KeyError, pyarrow.ArrowException) as err:
@@ -182,54 +257,72 @@ def _located_rows(path: str | Path, split: str | None) -> list[tuple[str, dict[s
     return [(f"{path}, row {i + 1}", dict(row)) for i, row in enumerate(ds)]
 
 
-def prompt_of_row(row: dict[str, Any], where: str) -> Prompt:
-    """The prompt of one row: ``prompt`` (string or messages) or ``messages``; else an error naming ``where``.
+def prompt_of_row(row: dict[str, Any], where: str, key: str | None = None) -> Prompt:
+    """The prompt of one row: column ``key`` (``data.prompt_key``), else ``prompt`` or ``messages``; a
+    string or a list of messages. Errors name ``where`` and the columns the row has.
 
     Messages are ``{"role", "content"}`` turns with string content and a role in :data:`ROLES`; the last
     one may not be the assistant's (the generation prompt would open a second assistant turn).
     """
-    key = "prompt" if "prompt" in row else "messages"
+    if key is not None and key not in row:
+        raise LmppoError(
+            f"{where} has no column {key!r} (data.prompt_key); its columns are {sorted(row)}: set "
+            "data.prompt_key to the one holding the prompt text or messages"
+        )
+    key = key or ("prompt" if "prompt" in row else "messages")
     prompt = row.get(key)
-    if isinstance(prompt, str) and prompt.strip() and key == "prompt":
+    if isinstance(prompt, str) and prompt.strip() and key != "messages":
         return prompt
     if isinstance(prompt, list) and prompt:
-        for turn, message in enumerate(prompt, start=1):
-            if not (isinstance(message, dict) and isinstance(message.get("content"), str)):
-                raise LmppoError(
-                    f"{where}: {key} turn {turn} must be a {{'role', 'content'}} object with string content"
-                )
-            if message.get("role") not in ROLES:
-                raise LmppoError(
-                    f"{where}: {key} turn {turn} has role {message.get('role')!r}; use one of {list(ROLES)}"
-                )
-        if prompt[-1]["role"] == "assistant":
-            raise LmppoError(
-                f"{where}: the {key} end with an assistant turn, so the generation prompt would open a second "
-                "one; end the prompt with the user's (or system's) turn"
-            )
-        return prompt
+        return _checked_messages(prompt, where, key)
     raise LmppoError(
         f"{where} has no prompt: each row needs a non-empty 'prompt' string or a 'messages' list of "
-        f"{{'role', 'content'}} turns (keys found: {sorted(row)})"
+        f"{{'role', 'content'}} turns, or data.prompt_key naming the column that holds one (its columns: "
+        f"{sorted(row)})"
     )
 
 
-def load_located_prompts(path: str | Path, split: str | None = None) -> list[tuple[str, Prompt]]:
-    """``(where, prompt)`` of every row: ``where`` names the file and line (or dataset row) for errors."""
-    rows = _located_rows(path, split)
+def _checked_messages(messages: list, where: str, key: str) -> list[dict[str, str]]:
+    for turn, message in enumerate(messages, start=1):
+        if not (isinstance(message, dict) and isinstance(message.get("content"), str)):
+            raise LmppoError(
+                f"{where}: {key} turn {turn} must be a {{'role', 'content'}} object with string content"
+            )
+        if message.get("role") not in ROLES:
+            raise LmppoError(
+                f"{where}: {key} turn {turn} has role {message.get('role')!r}; use one of {list(ROLES)}"
+            )
+    if messages[-1]["role"] == "assistant":
+        raise LmppoError(
+            f"{where}: the {key} end with an assistant turn, so the generation prompt would open a second "
+            "one; end the prompt with the user's (or system's) turn"
+        )
+    return messages
+
+
+def load_located_prompts(
+    source: PromptSource, split: str | None = None, key: str | None = None
+) -> list[tuple[str, Prompt]]:
+    """``(where, prompt)`` of every row: ``where`` names the file and line (or dataset row) for errors;
+    ``key`` is the column holding the prompt (``data.prompt_key``)."""
+    rows = _located_rows(source, split)
     if not rows:
-        raise LmppoError(f"{path} holds no prompts")
-    return [(where, prompt_of_row(row, where)) for where, row in rows]
+        raise LmppoError(f"{_name(source)} holds no prompts")
+    return [(where, prompt_of_row(row, where, key)) for where, row in rows]
 
 
-def load_prompts(path: str | Path, split: str | None = None) -> list[Prompt]:
-    return [prompt for _, prompt in load_located_prompts(path, split)]
+def load_prompts(source: PromptSource, split: str | None = None, key: str | None = None) -> list[Prompt]:
+    return [prompt for _, prompt in load_located_prompts(source, split, key)]
 
 
-def prompt_slices(path: str | Path, split: str | None, key: str | None) -> list[str] | None:
+def _name(source: PromptSource) -> str:
+    return "data.prompts (given as rows)" if isinstance(source, list) else str(source)
+
+
+def prompt_slices(source: PromptSource, split: str | None, key: str | None) -> list[str] | None:
     """Each prompt row's ``key`` field as a string (its slice: task type, source), in file order; None
     when ``key`` is None or some row lacks it."""
-    rows = [row for _, row in _located_rows(path, split)] if key else []
+    rows = [row for _, row in _located_rows(source, split)] if key else []
     return [str(row[key]) for row in rows] if rows and all(key in row for row in rows) else None
 
 

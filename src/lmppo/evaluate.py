@@ -141,7 +141,7 @@ def run_evaluator(
     demonstration; the metrics are global. Sampling draws from its own seeded stream (training's
     RNG is untouched), with the same seed every time, so evaluations differ only by the policy.
     ``generator``: the run's own engine when it samples from its own weights (vLLM), synced to the policy."""
-    every_prompt = load_prompts(cfg.data.eval_prompts)
+    every_prompt = load_prompts(cfg.data.eval_prompts, key=cfg.data.prompt_key)
     prompts = every_prompt[rank::world_size]
     sample_ids = list(range(len(every_prompt)))[rank::world_size]
     gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
@@ -353,7 +353,10 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
     torch.set_float32_matmul_precision(spec.fp32_matmul_precision)
     start_source = frozen_policy_source(cfg, spec)
     final_source = start_source.model_copy(update={"path": str(run_dir / "final"), "gguf_file": None})
-    tokenizer, prompts = load_tokenizer(cfg.models.policy), load_prompts(prompts_path)
+    tokenizer, prompts = (
+        load_tokenizer(cfg.models.policy),
+        load_prompts(prompts_path, key=cfg.data.prompt_key),
+    )
     reward_fn = load_reward(cfg.reward, spec.rewards, spec.device).reward
     gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
     start, final = (load_causal_lm(source).to(spec.device) for source in (start_source, final_source))

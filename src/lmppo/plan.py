@@ -306,7 +306,7 @@ def longest_prompt(cfg: Config) -> int:
     if cfg.data.max_prompt_length and cfg.data.truncate_prompts:
         return cfg.data.max_prompt_length
     tokenizer = load_tokenizer(cfg.models.policy)
-    prompts = load_prompts(cfg.data.prompts, cfg.data.split)
+    prompts = load_prompts(cfg.data.prompts, cfg.data.split, cfg.data.prompt_key)
     if cfg.data.raw_prompts:
         lengths = [len(tokenizer(str(p))["input_ids"]) for p in prompts]
     else:

@@ -185,7 +185,12 @@ def check_reward(cfg) -> tuple[Preflight, Finding | None]:
     slices = prompt_slices(cfg.data.prompts, cfg.data.split, cfg.data.slice_key)
     with autocast(spec.precision, spec.device):
         preflight = run_preflight(
-            cfg, policy, tokenizer, reward, load_prompts(cfg.data.prompts, cfg.data.split), slices
+            cfg,
+            policy,
+            tokenizer,
+            reward,
+            load_prompts(cfg.data.prompts, cfg.data.split, cfg.data.prompt_key),
+            slices,
         )
     return preflight, reward_bias([{"step": 0, **preflight.metrics}], cfg.diagnosis)
 

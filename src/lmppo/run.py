@@ -211,7 +211,7 @@ class PPORun:
         self.models = models = load_models(cfg, spec)
         if spec.device.type == "cpu":  # after loading: what loading and quantizing free goes back at once
             keep_freed_heap_memory()  # no page faults on every step's large tensors
-        located_prompts = load_located_prompts(cfg.data.prompts, cfg.data.split)
+        located_prompts = load_located_prompts(cfg.data.prompts, cfg.data.split, cfg.data.prompt_key)
         self.prompts = [prompt for _, prompt in located_prompts]
         self.trainer = build_trainer(
             cfg,
