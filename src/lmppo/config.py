@@ -731,22 +731,26 @@ def load_config(
     schema: type[Section] = Config,
 ) -> Section:
     """Read a YAML file (or start from ``base``), apply ``section.key=value`` overrides, validate."""
-    raw: dict[str, Any] = copy.deepcopy(base or {})
-    if path is not None:
-        path = Path(path)
-        if path.is_dir():
-            raise LmppoError(f"config file {path} is a directory; pass the path of a YAML config file")
-        if not path.is_file():
-            raise LmppoError(f"config file {path} does not exist; pass the path of a YAML config")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise LmppoError(f"config file {path} is not valid YAML: {err}") from err
-        if not isinstance(raw, dict):
-            raise LmppoError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
+    raw: dict[str, Any] = copy.deepcopy(base or {}) if path is None else read_yaml(path)
     for override in overrides:
         apply_override(raw, override)
     return validate_config(raw, source=str(path) if path else "config", schema=schema)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A config file's sections as plain data, not yet validated."""
+    path = Path(path)
+    if path.is_dir():
+        raise LmppoError(f"config file {path} is a directory; pass the path of a YAML config file")
+    if not path.is_file():
+        raise LmppoError(f"config file {path} does not exist; pass the path of a YAML config")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise LmppoError(f"config file {path} is not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise LmppoError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
+    return raw
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:

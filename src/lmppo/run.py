@@ -92,6 +92,7 @@ def train(
     allow_config_change: bool = False,
     evaluator_factory: Callable[[PPOModels], Evaluator] | None = None,
     force: bool = False,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> Path:
     """Run (or resume) PPO as configured; returns the run directory. Raises LmppoError on a guard abort.
 
@@ -101,12 +102,14 @@ def train(
     starting policy: its first evaluation and the reward pre-flight (:mod:`lmppo.preflight`). The
     rules of :mod:`lmppo.diagnose` watch every record, and a guard abort (:class:`GuardAbort`) says
     what they found. A run whose memory plan does not fit the device is refused before any model is
-    loaded, unless ``force``.
+    loaded, unless ``force``. ``on_step(step, metrics)`` gets each logged record on the main process.
     """
     device = resolve_device(cfg.run.device)
     try:
         with distributed_session(device.type, cfg.distributed.timeout_s) as dist_info:
-            return _train(cfg, device, dist_info, resume, allow_config_change, evaluator_factory, force)
+            return _train(
+                cfg, device, dist_info, resume, allow_config_change, evaluator_factory, force, on_step
+            )
     except RuntimeError as err:
         if int(os.environ.get("WORLD_SIZE", "1")) == 1 or not is_lost_rank(err):
             raise
@@ -144,6 +147,7 @@ def _train(
     allow_config_change: bool,
     evaluator_factory: Callable[[PPOModels], Evaluator] | None,
     force: bool,
+    on_step: Callable[[int, dict[str, float]], None] | None,
 ) -> Path:
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
@@ -153,6 +157,7 @@ def _train(
         barrier(dist_info.group)  # every rank has looked for a checkpoint before rank 0 writes the first one
         plan = check_plan(cfg, spec, force)  # no OOM an hour in
         run = PPORun(cfg, spec, dist_info, plan, evaluator_factory)
+        run.on_step = on_step if dist_info.is_main else None
         try:
             if checkpoint is not None:
                 run.resume(checkpoint, allow_config_change)
@@ -207,6 +212,7 @@ class PPORun:
     ) -> None:
         self.cfg, self.spec, self.dist_info = cfg, spec, dist_info
         self.run_dir, self.resumed = Path(cfg.run.output_dir), False
+        self.on_step: Callable[[int, dict[str, float]], None] | None = None  # the Python API's callback
         seed_everything(cfg.run.seed)  # every rank builds the same models (fresh heads, LoRA adapters)
         self.models = models = load_models(cfg, spec)
         if spec.device.type == "cpu":  # after loading: what loading and quantizing free goes back at once
@@ -383,6 +389,8 @@ class PPORun:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record a step and show what the diagnosis rules newly find in the history so far."""
         self.logger.log(step, metrics)
+        if self.on_step is not None:
+            self.on_step(step, dict(metrics))
         for finding in self.live.add(step, metrics):
             self.progress.note(
                 f"diagnosis at step {step}: {finding.rule}: {finding.evidence} (cause and fix: "

@@ -170,9 +170,27 @@ class ProgrammaticReward:
         return scores  # non-finite scores pass on: the trainer counts them and the nonfinite guard decides
 
 
+# Functions handed to the Python API (lmppo.train(reward=fn)): the config names them "python:NAME"
+PYTHON_FUNCTIONS: dict[str, Callable] = {}
+
+
+def python_function_spec(function: Callable) -> str:
+    """Register ``function`` for this process under its name; returns the spec a config holds for it."""
+    name = getattr(function, "__qualname__", None) or type(function).__name__
+    PYTHON_FUNCTIONS[name] = function
+    return f"python:{name}"
+
+
 def load_function(spec: str, what: str = "reward function") -> Callable:
     """Import ``"package.module:function"`` or ``"path/to/file.py:function"`` (relative to the working
-    directory), with errors naming ``what`` and the spec."""
+    directory), or look up a ``"python:NAME"`` function given to the Python API; errors name ``what``."""
+    if spec.startswith("python:"):
+        if spec.removeprefix("python:") not in PYTHON_FUNCTIONS:
+            raise LmppoError(
+                f"{what} {spec!r} was a Python function given to lmppo.train in another process; pass it "
+                "again (lmppo.train(..., reward=function)), or name an importable one: 'module:function'"
+            )
+        return PYTHON_FUNCTIONS[spec.removeprefix("python:")]
     module_name, sep, attribute = spec.rpartition(":")
     if not sep or not module_name or not attribute:
         raise LmppoError(
