@@ -118,7 +118,7 @@ def test_reward_components_and_the_one_source_shorthand():
         ("reward.function=my_rewards:score", "move reward.function into each component"),
         ("reward.normalize=true", "move reward.normalize into each component"),
         ("reward.components.1.name=helpful", "the name 'helpful' is used twice"),
-        ("reward.components.0.model.path=rm", "'helpful': set exactly one of model or function"),
+        ("reward.components.0.model.path=rm", "'helpful': set exactly one of model, function or url"),
         (
             "reward.gate.component=safety reward.gate.below=0.1",
             "reward.gate.component='safety' is not one of",

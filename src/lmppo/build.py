@@ -31,6 +31,7 @@ from lmppo.models import (
     trainable_parameters,
 )
 from lmppo.quantize import offload
+from lmppo.remote_reward import RemoteReward
 from lmppo.resolve import RoleSpec, RunSpec
 from lmppo.rollout import Generator, HFGenerator, PolicyAndValue
 from lmppo.scoring import (
@@ -64,6 +65,15 @@ def load_reward_component(
     source: RewardComponent, role: RoleSpec, device: torch.device | str
 ) -> tuple[ScoredComponent, dict]:
     """One reward source, scored with its own tokenizer and chat template when learned, and its identity."""
+    if source.url is not None:  # a reward server: its model is its own business
+        scorer = RemoteReward(
+            source.url,
+            batch_size=source.batch_size,
+            timeout_s=source.url_timeout_s,
+            retries=source.url_retries,
+        )
+        identity = {"role": "reward", "url": source.url}
+        return ScoredComponent(source.name, scorer, source.weight, score_transform(source)), identity
     if role.source is None:
         scorer = load_reward_function(source.function)
         identity = {"role": "reward", "function": source.function}

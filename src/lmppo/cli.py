@@ -246,6 +246,31 @@ def quickstart(
     run_quickstart(out, seed=seed, fast=fast, overrides=overrides, models_from=models_from)
 
 
+@app.command("serve-rm")
+def serve_rm(
+    model: str = typer.Argument(..., help="A reward model: a transformers directory or a .gguf file."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Rows per forward pass."),
+    chat_template: Path | None = typer.Option(
+        None, "--chat-template", help="A Jinja file overriding the tokenizer's chat template."
+    ),
+) -> None:
+    """Serve a reward model over HTTP for `reward.url` (the wire format: docs/rewards.md)."""
+    from lmppo.remote_reward import reward_server
+
+    template = chat_template.read_text() if chat_template else None
+    try:
+        server = reward_server(model, host, port, batch_size=batch_size, chat_template=template)
+    except OSError as err:
+        raise LmppoError(f"cannot listen on {host}:{port} ({err}); choose another --port") from None
+    console.print(f"scoring with {model} on http://{host}:{server.server_port}/ (reward.url); Ctrl-C stops")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        server.server_close()
+
+
 @app.command("check-rm")
 def check_rm(
     config: Path = typer.Argument(..., help="YAML config of a PPO run (its policy, reward and prompts)."),

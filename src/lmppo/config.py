@@ -90,7 +90,7 @@ class ModelsConfig(Section):
 
 
 class RewardSource(Section):
-    """One reward: a learned reward model *or* a programmatic ``module:function``, and its preprocessing
+    """One reward: a learned reward model, a programmatic ``module:function`` *or* a reward server's URL, and its preprocessing
     (in this order: missing-EOS penalty, running normalisation, clip)."""
 
     model: ModelSource | None = Field(
@@ -101,7 +101,16 @@ class RewardSource(Section):
         None,
         description="'package.module:function' or 'path/to/file.py:function' taking (prompts, responses)",
     )
-    batch_size: int = Field(16, gt=0, description="rows per reward-model forward or reward-function call")
+    url: str | None = Field(
+        None,
+        description="a reward server (`lmppo serve-rm`, or any speaking its JSON: docs/rewards.md): "
+        "POSTed prompts and responses, answering one reward per response",
+    )
+    url_timeout_s: float = Field(30.0, gt=0, description="reward.url: seconds to wait for each request")
+    url_retries: int = Field(
+        3, ge=0, description="reward.url: retries of a failed request, after pauses of 0.5, 1, 2, ... s"
+    )
+    batch_size: int = Field(16, gt=0, description="rows per reward-model forward, function call or request")
     batch_tokens: int | None = Field(
         None,
         gt=0,
@@ -115,6 +124,11 @@ class RewardSource(Section):
     )
     clip: float | None = Field(None, gt=0, description="clip scores to [-clip, clip]")
     normalize: bool = Field(False, description="running mean/std normalisation of scores")
+
+    @property
+    def source_count(self) -> int:
+        """How many of model, function and url are set (a source needs exactly one)."""
+        return sum(value is not None for value in (self.model, self.function, self.url))
 
 
 SOURCE_KEYS = tuple(RewardSource.model_fields)
@@ -130,8 +144,8 @@ class RewardComponent(RewardSource):
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> RewardComponent:
-        if (self.model is None) == (self.function is None):
-            raise ValueError(f"reward component {self.name!r}: set exactly one of model or function")
+        if self.source_count != 1:
+            raise ValueError(f"reward component {self.name!r}: set exactly one of model, function or url")
         return self
 
 
@@ -153,10 +167,10 @@ class RewardConfig(RewardSource):
     @model_validator(mode="after")
     def _one_shape(self) -> RewardConfig:
         if not self.components:
-            if (self.model is None) == (self.function is None):
+            if self.source_count != 1:
                 raise ValueError(
-                    "set exactly one of reward.model (a reward model) or reward.function ('module:fn'), or a "
-                    "list of reward.components"
+                    "set exactly one of reward.model (a reward model), reward.function ('module:fn') or "
+                    "reward.url (a reward server), or a list of reward.components"
                 )
             if self.gate is not None:
                 raise ValueError("reward.gate picks between reward.components; list the components first")

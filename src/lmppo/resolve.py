@@ -55,7 +55,7 @@ class RoleSpec:
         """How it is made, in a few words (the plan's table)."""
         lora = f"LoRA r{self.lora.r}" if self.lora else ""
         if self.source is None and self.dtype == "-":
-            return "function"
+            return "function or URL"
         if self.shares:
             return "shared trunk" if self.role == "value" else f"= {self.shares} base"
         if self.copy_of:

@@ -569,7 +569,7 @@ def reward_summary(cfg: Config) -> str:
     """The reward as the model card states it: each source, its weight and its preprocessing."""
     parts = []
     for c in cfg.reward.sources():
-        source = c.model.path if c.model else f"the function {c.function}"
+        source = c.model.path if c.model else f"the server {c.url}" if c.url else f"the function {c.function}"
         weight = f"{c.name}: {c.weight:g} x " if cfg.reward.components else ""
         preprocessing = f"missing-EOS penalty {c.missing_eos_penalty}, clip {c.clip}, normalize {c.normalize}"
         parts.append(f"{weight}{source} (preprocessing: {preprocessing})")
