@@ -175,9 +175,10 @@ def test_a_tracker_sink_without_its_package_says_which_extra_to_install(tmp_path
         MetricsLogger(tmp_path, sinks=["jsonl", "neptune"])
 
 
-def test_the_wandb_sink_gets_config_and_every_step(tmp_path, monkeypatch):
+def test_the_wandb_sink_gets_config_and_every_step_and_a_resume_continues_its_run(tmp_path, monkeypatch):
     calls = []
     run = types.SimpleNamespace(
+        id="w123",
         log=lambda metrics, step: calls.append(("log", step, metrics)),
         finish=lambda: calls.append(("finish",)),
     )
@@ -191,18 +192,24 @@ def test_the_wandb_sink_gets_config_and_every_step(tmp_path, monkeypatch):
         tmp_path, sinks=["jsonl", "wandb"], run_name="r1", config={"ppo": {"lr": 1e-5}}
     ) as logger:
         logger.log(3, {"kl/ref": 0.5})
-    assert calls[0] == (
-        "init",
-        {"project": "lmppo", "name": "r1", "config": {"ppo": {"lr": 1e-5}}, "dir": str(tmp_path)},
-    )
-    assert calls[1:] == [("log", 3, {"kl/ref": 0.5}), ("finish",)]
+    started = {"project": "lmppo", "name": "r1", "config": {"ppo": {"lr": 1e-5}}, "dir": str(tmp_path)}
+    assert calls == [("init", started), ("log", 3, {"kl/ref": 0.5}), ("finish",)]
     assert read_metrics(tmp_path)[0]["kl/ref"] == 0.5  # JSONL is written alongside
+    calls.clear()
+    with MetricsLogger(tmp_path, sinks=["wandb"], run_name="r1", config={}, resume_step=3) as logger:
+        logger.log(4, {"kl/ref": 0.6})
+    assert calls[0] == ("init", {**started, "config": {}, "id": "w123", "resume": "must"})
 
 
-def test_the_mlflow_sink_gets_config_and_every_step(tmp_path, monkeypatch):
+def test_the_mlflow_sink_gets_config_and_every_step_and_a_resume_continues_its_run(tmp_path, monkeypatch):
     calls = []
+
+    def start_run(**kwargs):
+        calls.append(("start", kwargs))
+        return types.SimpleNamespace(info=types.SimpleNamespace(run_id="m456"))
+
     fake = types.SimpleNamespace(
-        start_run=lambda run_name: calls.append(("start", run_name)),
+        start_run=start_run,
         log_dict=lambda config, name: calls.append(("config", name, config)),
         log_metrics=lambda metrics, step: calls.append(("log", step, metrics)),
         end_run=lambda: calls.append(("end",)),
@@ -211,11 +218,15 @@ def test_the_mlflow_sink_gets_config_and_every_step(tmp_path, monkeypatch):
     with MetricsLogger(tmp_path, sinks=["mlflow"], run_name="r2", config={"kl": {"beta": 0.1}}) as logger:
         logger.log(7, {"kl/ref": 1.5})
     assert calls == [
-        ("start", "r2"),
+        ("start", {"run_name": "r2"}),
         ("config", "config.json", {"kl": {"beta": 0.1}}),
         ("log", 7, {"kl/ref": 1.5}),
         ("end",),
     ]
+    calls.clear()
+    with MetricsLogger(tmp_path, sinks=["mlflow"], run_name="r2", resume_step=7) as logger:
+        logger.log(8, {"kl/ref": 1.6})
+    assert calls == [("start", {"run_id": "m456"}), ("log", 8, {"kl/ref": 1.6}), ("end",)]
 
 
 def test_the_tensorboard_sink_writes_every_step_as_a_scalar_and_the_config_as_text(tmp_path):

@@ -226,14 +226,36 @@ class _TensorBoardSink:
         self.writer.close()
 
 
+TRACKER_RUNS_FILE = "trackers.json"  # in the run directory: each tracker's run id, for --resume
+
+
+def _tracker_run_id(run_dir: Path, tracker: str) -> str | None:
+    path = run_dir / TRACKER_RUNS_FILE
+    return json.loads(path.read_text()).get(tracker) if path.is_file() else None
+
+
+def _keep_tracker_run_id(run_dir: Path, tracker: str, run_id: str) -> None:
+    path = run_dir / TRACKER_RUNS_FILE
+    ids = json.loads(path.read_text()) if path.is_file() else {}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**ids, tracker: run_id}))
+    tmp.replace(path)
+
+
 class _WandbSink:
-    """A resumed run is a new W&B run whose steps continue after the checkpoint's."""
+    """A resumed run continues its W&B run (its id is kept in ``trackers.json``). Steps the crashed
+    attempt logged after the checkpoint are logged again; W&B keeps the first of a step it has seen."""
 
     def __init__(
         self, run_dir: Path, run_name: str | None, config: dict | None, resume_step: int | None
     ) -> None:
         self.wandb = _import_sink("wandb")
-        self.run = self.wandb.init(project="lmppo", name=run_name, config=config, dir=str(run_dir))
+        run_id = _tracker_run_id(run_dir, "wandb") if resume_step is not None else None
+        resuming = {"id": run_id, "resume": "must"} if run_id else {}
+        self.run = self.wandb.init(
+            project="lmppo", name=run_name, config=config, dir=str(run_dir), **resuming
+        )
+        _keep_tracker_run_id(run_dir, "wandb", self.run.id)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -243,15 +265,21 @@ class _WandbSink:
 
 
 class _MlflowSink:
-    """A resumed run is a new MLflow run whose steps continue after the checkpoint's."""
+    """A resumed run continues its MLflow run (its id is kept in ``trackers.json``); a step logged again
+    after a crash is a second value at that step."""
 
     def __init__(
         self, run_dir: Path, run_name: str | None, config: dict | None, resume_step: int | None
     ) -> None:
         self.mlflow = _import_sink("mlflow")
-        self.mlflow.start_run(run_name=run_name)
-        if config is not None:  # as an artifact: a nested config overflows MLflow's param limits
-            self.mlflow.log_dict(config, "config.json")
+        run_id = _tracker_run_id(run_dir, "mlflow") if resume_step is not None else None
+        if run_id:
+            run = self.mlflow.start_run(run_id=run_id)
+        else:
+            run = self.mlflow.start_run(run_name=run_name)
+            if config is not None:  # as an artifact: a nested config overflows MLflow's param limits
+                self.mlflow.log_dict(config, "config.json")
+        _keep_tracker_run_id(run_dir, "mlflow", run.info.run_id)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.mlflow.log_metrics(metrics, step=step)
