@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from lmppo.config import Config, SupervisedConfig
-from lmppo.config_reference import SHARED, _section_of, reference
+from lmppo.config_reference import SHARED, reference, section_of
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -11,7 +11,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 def every_field(model, prefix=""):
     for name, field in model.model_fields.items():
         yield f"{prefix}{name}", field
-        section = _section_of(field.annotation)
+        section = section_of(field.annotation)
         if section is not None and section not in SHARED:
             yield from every_field(section, f"{prefix}{name}.")
 
@@ -26,7 +26,7 @@ def test_every_key_is_described_and_listed():
     page = reference()
     for schema in (Config, SupervisedConfig, *SHARED):
         for key, field in every_field(schema):
-            section = _section_of(field.annotation)
+            section = section_of(field.annotation)
             assert field.description or (section and section.__doc__), f"{key} has no description"
     for key, _ in every_field(Config):
         if "." not in key:  # a section: its heading

@@ -246,6 +246,57 @@ def quickstart(
     run_quickstart(out, seed=seed, fast=fast, overrides=overrides, models_from=models_from)
 
 
+@app.command()
+def init(
+    output: Path = typer.Argument(Path("lmppo.yaml"), help="Where to write the config."),
+    policy: str | None = typer.Option(None, "--policy", help="The model to train (an SFT checkpoint)."),
+    prompts: str | None = typer.Option(
+        None, "--prompts", help="Prompts: JSONL, Parquet, CSV, a saved dataset directory or a hub name."
+    ),
+    prompt_key: str | None = typer.Option(None, "--prompt-key", help="The column holding each prompt."),
+    reward_model: str | None = typer.Option(None, "--reward-model", help="A learned reward model."),
+    reward_function: str | None = typer.Option(
+        None, "--reward-function", help="A reward function: module:function or file.py:function."
+    ),
+    reward_url: str | None = typer.Option(None, "--reward-url", help="A reward server (lmppo serve-rm)."),
+    run_dir: str = typer.Option("runs/my_run", "--run-dir", help="The run's output directory."),
+    device: str | None = typer.Option(
+        None, "--device", help="Size for cpu or cuda (default: this machine's)."
+    ),
+    force: bool = typer.Option(False, "--force", help="Overwrite OUTPUT if it exists."),
+) -> None:
+    """Write a commented starter config for your policy, reward and prompts, sized for this machine."""
+    from lmppo.starter import StarterAnswers, commented_yaml, sized_starter
+
+    if output.exists() and not force:
+        raise LmppoError(f"{output} exists; choose another path or pass --force to overwrite it")
+    if not (reward_model or reward_function or reward_url) and sys.stdin.isatty():
+        reward_function = typer.prompt(
+            "reward function (module:function or file.py:function; empty: a model)", ""
+        )
+        reward_model = None if reward_function else typer.prompt("reward model directory")
+    answers = StarterAnswers(
+        policy=policy or _asked("--policy", "policy model (an SFT checkpoint directory)"),
+        prompts=prompts or _asked("--prompts", "prompt file"),
+        reward_model=reward_model,
+        reward_function=reward_function or None,
+        reward_url=reward_url,
+        prompt_key=prompt_key,
+        output_dir=run_dir,
+    )
+    starter = sized_starter(answers, device)
+    output.write_text(commented_yaml(starter))
+    console.print(f"wrote {output}: {starter.summary}")
+    console.print(f"next: lmppo plan {output}   then   lmppo ppo {output}")
+
+
+def _asked(flag: str, what: str) -> str:
+    """A starter answer from the terminal, or an error naming its flag when there is no terminal."""
+    if not sys.stdin.isatty():
+        raise LmppoError(f"lmppo init needs the {what}: pass {flag}")
+    return typer.prompt(what)
+
+
 @app.command("serve-rm")
 def serve_rm(
     model: str = typer.Argument(..., help="A reward model: a transformers directory or a .gguf file."),

@@ -32,13 +32,13 @@ writes a commented starter config.
 SHARED = {ModelSource: "a model", LoraConfig: "a LoRA section"}
 
 
-def _section_of(annotation) -> type[BaseModel] | None:
+def section_of(annotation) -> type[BaseModel] | None:
     """The section class a field holds (itself, optional, or a list of it), else None."""
     for candidate in (annotation, *typing.get_args(annotation)):
         if inspect.isclass(candidate) and issubclass(candidate, BaseModel):
             return candidate
         if typing.get_origin(candidate) is list:
-            return _section_of(typing.get_args(candidate)[0])
+            return section_of(typing.get_args(candidate)[0])
     return None
 
 
@@ -66,7 +66,7 @@ def _rows(model: type[BaseModel], prefix: str) -> Iterator[str]:
     """Table rows of ``model``'s keys, nested sections flattened into dotted keys."""
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
-        section = _section_of(field.annotation)
+        section = section_of(field.annotation)
         if section is None:
             yield f"| `{key}` | {_type_name(field.annotation)} | {_default(field)} | {_text(field.description)} |"
             continue
@@ -101,7 +101,7 @@ def reference() -> str:
     """The whole page: the PPO run's sections, the recurring sections, the supervised stages' config."""
     parts = [HEADER, "## A PPO run (`lmppo ppo`, `lmppo best-of-n`, `lmppo plan`, `lmppo eval`)\n"]
     for name, field in Config.model_fields.items():
-        parts.append(_section(f"`{name}`", _section_of(field.annotation), f"{name}."))
+        parts.append(_section(f"`{name}`", section_of(field.annotation), f"{name}."))
     parts.append("## Recurring sections\n")
     parts += [_section(title.capitalize(), model, "") for model, title in SHARED.items()]
     parts.append("## A supervised stage (`lmppo sft`, `lmppo train-rm`)\n")
