@@ -342,8 +342,8 @@ def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], lis
     lengths: list[tuple[int, int]] = []  # (prompt, response) tokens of every row generated
     generate = trainer.generator.generate
 
-    def generate_and_count(prompts, policy_version):
-        rollout = generate(prompts, policy_version)
+    def generate_and_count(prompts, policy_version, sample_ids=None):
+        rollout = generate(prompts, policy_version, sample_ids)
         lengths.extend(zip(rollout.query_mask.sum(1).tolist(), rollout.response_mask.sum(1).tolist()))
         return rollout
 

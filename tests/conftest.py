@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -21,6 +22,18 @@ from helpers import (
     toy_models,
 )
 from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``vllm`` need vLLM in this environment (`make test-vllm`): skipped elsewhere, also those
+    that only start it in a subprocess."""
+    if importlib.util.find_spec("vllm") is None:
+        skip = pytest.mark.skip(
+            reason="vLLM is not installed here: `make test-vllm` runs these in .venv-vllm"
+        )
+        for item in items:
+            if "vllm" in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture

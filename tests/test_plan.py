@@ -134,8 +134,8 @@ def test_a_run_that_cannot_fit_is_refused_before_loading_unless_forced(run_files
     assert run_cli("ppo", str(run_files), "--force") == 0
 
 
-def test_the_readme_shows_what_lmppo_plan_prints_for_the_1b_example(tmp_path):
-    """The README's 1B-on-one-GPU figures come from the plan of the shipped config (no weights needed)."""
+def test_the_1b_example_shows_what_lmppo_plan_prints(tmp_path):
+    """examples/llama_1b/README.md's figures come from the plan of the shipped config (no weights needed)."""
     root = Path(__file__).resolve().parents[1]
     subprocess.run(
         [
@@ -150,7 +150,7 @@ def test_the_readme_shows_what_lmppo_plan_prints_for_the_1b_example(tmp_path):
     )
     cfg = load_config(root / "examples/llama_1b/ppo.yaml", [f"models.policy.path={tmp_path / 'llama'}"])
     plan = memory_plan(cfg, available=80 * 2**30, world_size=1)
-    readme = (root / "README.md").read_text()
+    readme = (root / "examples/llama_1b/README.md").read_text()
     assert plan.device == "cuda" and plan.precision == "bf16"
     assert f"peak per rank: {size(plan.peak)} = models {size(plan.static)}" in readme
     assert f"update (peak)      {size(plan.phases['update'])}" in readme
