@@ -106,6 +106,20 @@ def assert_masks_around_im_end(rollout, tokenizer, max_new_tokens: int) -> None:
         )
 
 
+@pytest.mark.slow
+def test_a_model_loaded_from_the_gguf_file_saves_as_a_plain_transformers_model(smollm2, tmp_path):
+    """A run on the .gguf file itself exports final/ (transformers would refuse a GGUF-marked model)."""
+    policy = load_causal_lm(smollm2_gguf())
+    policy.save_pretrained(tmp_path / "final")
+    reloaded = load_causal_lm(tmp_path / "final")
+    assert all(
+        torch.equal(a, b) for a, b in zip(policy.state_dict().values(), reloaded.state_dict().values())
+    )
+    assert all(
+        torch.equal(a, b) for a, b in zip(smollm2[0].state_dict().values(), reloaded.state_dict().values())
+    )
+
+
 def test_smollm2_identity_from_the_gguf_file(smollm2):
     model, tokenizer = smollm2
     identity = model_identity("policy", model, source=resolve_source(smollm2_gguf()), tokenizer=tokenizer)

@@ -207,7 +207,18 @@ def load_causal_lm(model: ModelSource | str | os.PathLike) -> PreTrainedModel:
         lm = AutoModelForCausalLM.from_pretrained(source.directory, **_from_pretrained_kwargs(spec, source))
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         raise _load_error("a causal LM", source, err) from err
+    lm = _plain_if_gguf(lm, source)
     return quantize(lm, spec.quantize) if spec.quantize else lm
+
+
+def _plain_if_gguf(model: PreTrainedModel, source: ResolvedSource) -> PreTrainedModel:
+    """A GGUF file's tensors are dequantised as they load, yet transformers marks the model quantized and
+    ``save_pretrained`` then refuses it (a run's ``final/``, a trained RM): drop the stale marks."""
+    if source.gguf_file:
+        model.hf_quantizer, model.is_quantized = None, False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    return model
 
 
 def load_reward_model(model: ModelSource | str | os.PathLike, *, new_head: bool = False, pad_token_id=None):
@@ -231,6 +242,7 @@ def load_reward_model(model: ModelSource | str | os.PathLike, *, new_head: bool 
         )
     except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         raise _load_error("a reward model", source, err) from err
+    scorer = _plain_if_gguf(scorer, source)
     if new_head:
         return scorer
     untrained_head = [key for key in info["missing_keys"] if key.split(".")[0] == "score"]
@@ -261,9 +273,7 @@ def cache_gguf_as_transformers(gguf_path: str | os.PathLike, out_dir: str | os.P
     """Convert a GGUF model once into a plain transformers directory (fp32 safetensors + tokenizer).
 
     Loading a GGUF file dequantises every tensor and converts the tokenizer (tens of seconds); the
-    directory loads in about a second. ``save_pretrained`` refuses GGUF-loaded models, so the weights are
-    moved into a fresh model built from the config without its ``quantization_config``. The directory
-    records the GGUF file's sha256 and is rebuilt when the file changes. Returns ``out_dir``.
+    directory loads in about a second. The directory records the GGUF file's sha256 and is rebuilt when the file changes. Returns ``out_dir``.
     """
     source = resolve_source(gguf_path)
     if source.gguf_file is None:
@@ -274,13 +284,7 @@ def cache_gguf_as_transformers(gguf_path: str | os.PathLike, out_dir: str | os.P
     if marker.is_file() and json.loads(marker.read_text()).get("gguf_sha256") == gguf_sha256:
         return out_dir
     spec = ModelSource(path=str(source.directory), gguf_file=source.gguf_file)
-    tokenizer = load_tokenizer(spec)
-    gguf_model = load_causal_lm(spec)
-    config = gguf_model.config
-    del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = gguf_model.generation_config
+    tokenizer, model = load_tokenizer(spec), load_causal_lm(spec)
     staging = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
