@@ -59,3 +59,16 @@ def test_lmppo_init_writes_a_config_that_runs_and_refuses_what_it_cannot_do(run_
     assert not (tmp_path / "other.yaml").exists()
     with pytest.raises(LmppoError, match="name exactly one reward"):
         sized_starter(answers(run_files, reward_url="http://127.0.0.1:9/score"))
+
+
+def test_a_large_policy_on_a_cpu_gets_lora_for_speed(run_files, monkeypatch):
+    from lmppo import starter as starter_module
+
+    monkeypatch.setattr(starter_module, "CPU_FULL_TUNING_MAX", 1000)  # the tiny policy counts as large
+    starter = sized_starter(answers(run_files), device="cpu")
+    assert starter.changes[0].endswith("(CPU speed)")
+    assert starter.config.models.policy_lora.enabled and starter.config.ppo.lr == 1e-4
+    assert "policy_lora:" in commented_yaml(starter)
+    assert not sized_starter(
+        answers(run_files), device="cuda", available=10**12
+    ).config.models.policy_lora.enabled
