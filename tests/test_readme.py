@@ -62,7 +62,10 @@ def test_every_make_target_and_script_in_the_readme_exists():
 
 def test_the_readme_yaml_is_a_valid_config():
     (config,) = blocks("yaml")
-    validate_config(yaml.safe_load(config), source="the README's config")
+    cfg = validate_config(yaml.safe_load(config), source="the README's config")  # raises when invalid
+    # what the README's comments say about it
+    assert cfg.models.policy_lora.enabled and cfg.models.value.mode == "shared"
+    assert cfg.reward.model.path == "path/to/reward_model" and cfg.data.eval_prompts == "held_out.jsonl"
 
 
 def test_the_readme_python_runs_and_trains(run_files, monkeypatch):

@@ -91,25 +91,25 @@ def sized_starter(
     from lmppo.plan import memory_plan, remedies, size
 
     raw = starter_sections(answers)
-    cfg = validate_config(raw, source="the starter config")
-    plan = memory_plan(cfg, device=device, available=available)
+
+    def planned(change: str = ""):
+        """Apply ``change`` (space-separated overrides) to the starter; its config and plan."""
+        for override in change.split():
+            apply_override(raw, override)
+        cfg = validate_config(raw, source="the starter config")
+        return cfg, memory_plan(cfg, device=device, available=available)
+
+    cfg, plan = planned()
     first_need, changes = plan.needed_per_rank, []
     policy = next(row for row in plan.models if row.role == "policy")
     if plan.device == "cpu" and policy.parameters > CPU_FULL_TUNING_MAX:  # a speed choice, not memory's
         change = "models.policy_lora.enabled=true models.policy_lora.r=16 ppo.lr=1e-4"
-        for override in change.split():
-            apply_override(raw, override)
-        cfg = validate_config(raw, source="the starter config")
-        plan, changes = memory_plan(cfg, device=device, available=available), [f"{change} (CPU speed)"]
+        (cfg, plan), changes = planned(change), [f"{change} (CPU speed)"]
     for _ in range(MAX_REMEDIES):
         fixes = [] if plan.fits else remedies(cfg, plan)
         if not fixes:
             break
-        change = fixes[0][0]
-        for override in change.split():
-            apply_override(raw, override)
-        cfg = validate_config(raw, source="the starter config")
-        plan, changes = memory_plan(cfg, device=device, available=available), [*changes, change]
+        (cfg, plan), changes = planned(fixes[0][0]), [*changes, fixes[0][0]]
     summary = f"needs {size(plan.needed_per_rank)} of {size(plan.available)} on {plan.device}"
     if changes:
         summary += f" (the defaults needed {size(first_need)}; changed: {'; '.join(changes)})"
