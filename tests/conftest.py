@@ -36,6 +36,14 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def cpu_without_bf16_matrix_units(monkeypatch):
+    """``run.precision=auto`` is fp32 on this CPU whatever it is: the tests' tolerances and byte counts are
+    fp32's, and machines differ (an AMX Xeon would pick bf16). Tests of that choice patch it themselves;
+    a subprocess run reads the real CPU, and its config says ``run.precision`` where it matters."""
+    monkeypatch.setattr("lmppo.resolve.cpu_bf16_matmuls", lambda: None)
+
+
 @pytest.fixture
 def make_policy_tokenizer():
     """Factory: the policy tokenizer (pad ``<pad>``, EOS ``</s>``, extra stop ``<|end|>``); ``pad_is_eos``."""
@@ -112,7 +120,7 @@ def run_files(tmp_path):
         "data": {"prompts": str(tmp_path / "prompts.jsonl")},
         "rollout": {"batch_size": 4, "max_new_tokens": 6},
         "ppo": {"minibatch_size": 2, "ppo_epochs": 2, "lr": 1e-3},
-        "run": {"output_dir": str(tmp_path / "run"), "steps": 2, "seed": 1},
+        "run": {"output_dir": str(tmp_path / "run"), "steps": 2, "seed": 1, "precision": "fp32"},
         "logging": {"quiet": True},
     }
     path = tmp_path / "config.yaml"

@@ -184,7 +184,7 @@ def test_three_ppo_steps_with_engine_vllm_through_the_cli(tiny_dir, tmp_path):
         "data": {"prompts": str(tmp_path / "prompts.jsonl")},
         "rollout": {"engine": "vllm", "batch_size": 4, "max_new_tokens": 8},
         "ppo": {"minibatch_size": 2, "ppo_epochs": 2, "lr": 1e-3},
-        "run": {"output_dir": str(tmp_path / "run"), "steps": 3, "seed": 1},
+        "run": {"output_dir": str(tmp_path / "run"), "steps": 3, "seed": 1, "precision": "fp32"},
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     done = subprocess.run(
@@ -219,7 +219,13 @@ def engine_run_config(tiny_dir, tmp_path, name: str, **sections) -> str:
         "data": {"prompts": str(prompts)},
         "rollout": {"engine": "vllm", "batch_size": 4, "max_new_tokens": 8},
         "ppo": {"minibatch_size": 4, "ppo_epochs": 1, "lr": 1e-3},
-        "run": {"output_dir": str(tmp_path / name), "steps": 3, "seed": 1, "checkpoint_every": 1},
+        "run": {
+            "output_dir": str(tmp_path / name),
+            "steps": 3,
+            "seed": 1,
+            "checkpoint_every": 1,
+            "precision": "fp32",
+        },
     }
     for section, values in sections.items():
         config.setdefault(section, {}).update(values)
