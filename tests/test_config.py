@@ -1,9 +1,11 @@
 """Config: YAML round-trip, overrides, and every validation error saying what is allowed."""
 
+import re
+
 import pytest
 import yaml
 
-from lmppo.config import Config, load_config
+from lmppo.config import OTHER_TRAINERS_KEYS, Config, apply_override, load_config, validate_config
 from lmppo.errors import LmppoError
 
 BASE = {
@@ -44,7 +46,6 @@ def test_overrides_do_not_mutate_the_base():
         ("ppo.lr=-1", "ppo.lr: Input should be greater than 0"),
         ("ppo.clip_eps=0", "ppo.clip_eps: Input should be greater than 0"),
         ("ppo.gamma=1.5", "ppo.gamma: Input should be less than or equal to 1"),
-        ("ppo.minibatch_size=64", "larger than the 16 responses of a step"),
         ("ppo.advantage=rloo", "set rollout.samples_per_prompt to 2 or more"),
         ("ppo.advantage=grpo rollout.samples_per_prompt=4 rollout.truncation=bootstrap", "has none"),
         ("ppo.advantage=reinforce_pp ppo.critic_warmup_steps=2", "ppo.critic_warmup_steps trains the critic"),
@@ -124,6 +125,7 @@ def test_reward_components_and_the_one_source_shorthand():
             "reward.gate.component='safety' is not one of",
         ),
         ("rollout.truncation=bootstrap", "reward component 'short''s missing_eos_penalty"),
+        ("reward.components.0.weigth=2", "did you mean 'reward.components.0.weight'"),
     ],
 )
 def test_reward_component_errors_name_the_fix(override, message):
@@ -134,3 +136,85 @@ def test_reward_component_errors_name_the_fix(override, message):
 def test_a_gate_needs_components():
     with pytest.raises(LmppoError, match="reward.gate picks between reward.components"):
         load_config(base=BASE, overrides=["reward.gate.component=x", "reward.gate.below=0"])
+
+
+@pytest.mark.parametrize(
+    ("override", "suggestion"),
+    [
+        ("ppo.learning_rate=1e-4", "unknown key 'ppo.learning_rate': did you mean 'ppo.lr'?"),
+        ("learning_rate=1e-4", "did you mean 'ppo.lr'?"),  # a flat TRL config
+        ("ppo.kl_coef=0.1", "did you mean 'kl.beta'?"),  # spelling alone says ppo.vf_coef
+        ("ppo.target_kl=1", "did you mean 'ppo.target_approx_kl'?"),  # TRL's: stop the epochs early
+        ("kl.target_kl=0.1", "did you mean 'kl.target'?"),  # verl's kl_ctrl: the adaptive controller's target
+        ("ppo.beta=0.1", "did you mean 'kl.beta'?"),
+        ("rollout.lr=1e-4", "did you mean 'ppo.lr'?"),
+        ("ppo.temperature=0.7", "did you mean 'rollout.temperature'?"),
+        ("ppo.steps=10", "did you mean 'run.steps'?"),  # not the near spelling ppo.warmup_steps
+        ("rollout.max_length=64", "did you mean 'rollout.max_new_tokens'?"),
+        ("reward.model.max_length=512", "did you mean 'reward.max_length'?"),  # one level too deep
+    ],
+)
+def test_unknown_keys_suggest_the_key_they_mean_wherever_it_lives(override, suggestion):
+    with pytest.raises(LmppoError, match=re.escape(suggestion)):
+        load_config(base=BASE, overrides=[override])
+
+
+def test_every_name_from_another_trainer_suggests_a_key_of_ours():
+    for written, meant in OTHER_TRAINERS_KEYS.items():
+        with pytest.raises(LmppoError, match=re.escape(f"did you mean {meant!r}?")):
+            load_config(base=BASE, overrides=[f"{written}=1"])
+
+
+def test_problems_name_the_override_or_the_file_they_came_from(tmp_path):
+    path = tmp_path / "my.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "ppo": {"lrr": 1}}))
+    with pytest.raises(LmppoError) as err:
+        load_config(path, ["ppo.learning_rate=1e-4", "kl.beta=-1"])
+    assert str(err.value).splitlines() == [
+        f"{path} with its overrides is not a valid lmppo config:",
+        f"  - {path}: unknown key 'ppo.lrr': did you mean 'ppo.lr'?",
+        "  - the override ppo.learning_rate=1e-4 (command line): unknown key 'ppo.learning_rate': did you "
+        "mean 'ppo.lr'?",
+        "  - the override kl.beta=-1 (command line): kl.beta: Input should be greater than or equal to 0 "
+        "(got -1)",
+    ]
+    with pytest.raises(LmppoError, match=re.escape(f"{path} is not a valid lmppo config:\n  - unknown key")):
+        load_config(path)  # no overrides: the file is the only source, named once
+
+
+@pytest.mark.parametrize(
+    ("override", "problem"),
+    [
+        (  # a cross-field check over a section the override changed: both
+            "ppo.micro_batch_size=5",
+            "FILE with the override ppo.micro_batch_size=5 (command line): ppo.micro_batch_size=5 must divide",
+        ),
+        (  # the override made the optional section its missing key belongs to
+            "models.reference.dtype=bfloat16",
+            "FILE with the override models.reference.dtype=bfloat16 (command line): models.reference.path "
+            "is required",
+        ),
+        (  # a whole section given on the command line
+            "models.policy={path: p, dtyp: float32}",
+            "the override models.policy={path: p, dtyp: float32} (command line): unknown key "
+            "'models.policy.dtyp'",
+        ),
+    ],
+)
+def test_a_problem_an_override_took_part_in_names_it(tmp_path, override, problem):
+    path = tmp_path / "my.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    with pytest.raises(LmppoError, match=re.escape(problem.replace("FILE", str(path)))):
+        load_config(path, [override])
+
+
+def test_the_python_api_can_name_its_overrides():
+    raw = dict(BASE)
+    apply_override(raw, "ppo.lr=-1")
+    with pytest.raises(LmppoError, match=re.escape("the override ppo.lr=-1 (lmppo.train): ppo.lr:")):
+        validate_config(
+            raw,
+            source="the config given to lmppo.train",
+            overrides=["ppo.lr=-1"],
+            overrides_from="lmppo.train",
+        )

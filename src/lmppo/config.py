@@ -1,15 +1,19 @@
 """Run configuration: pydantic models for every section, YAML loading and ``a.b=c`` overrides.
 
-Every default of the project lives here. Unknown keys are errors that name the nearest valid key;
-impossible values say what is allowed. ``load_config(path, overrides)`` is the one entry point.
+Every default of the project lives here. Unknown keys are errors that name the key they most likely
+mean (also for other trainers' names: ``learning_rate`` -> ``ppo.lr``); impossible values say what is
+allowed; each problem names the override or file it came from. ``load_config(path, overrides)`` is the
+one entry point.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -192,6 +196,11 @@ class RewardConfig(RewardSource):
                 f"reward.gate.component={self.gate.component!r} is not one of the components {names}"
             )
         return self
+
+    @property
+    def learned(self) -> bool:
+        """Whether reward models give the whole score: its words are then "RM score", else "reward"."""
+        return all(source.model is not None for source in self.sources())
 
     def sources(self) -> list[RewardComponent]:
         """The components; the one-source shorthand is one component named "reward" of weight 1."""
@@ -652,17 +661,6 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _batches_fit(self) -> Config:
-        responses = self.rollout.responses_per_step
-        if self.ppo.minibatch_size > responses:
-            raise ValueError(
-                f"ppo.minibatch_size={self.ppo.minibatch_size} is larger than the {responses} responses of a "
-                f"step (rollout.batch_size={self.rollout.batch_size} x rollout.samples_per_prompt="
-                f"{self.rollout.samples_per_prompt}); it must be at most that"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _critic_free_fits(self) -> Config:
         advantage, n = self.ppo.advantage, self.rollout.samples_per_prompt
         if self.run.algorithm == "best_of_n" and n < 2:
@@ -748,7 +746,7 @@ def load_config(
     raw: dict[str, Any] = copy.deepcopy(base or {}) if path is None else read_yaml(path)
     for override in overrides:
         apply_override(raw, override)
-    return validate_config(raw, source=str(path) if path else "config", schema=schema)
+    return validate_config(raw, source=str(path) if path else "config", schema=schema, overrides=overrides)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -772,7 +770,7 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     key, sep, value = override.partition("=")
     if not sep or not key:
         raise LmppoError(f"override {override!r} is not of the form section.key=value")
-    *parents, leaf = key.strip().split(".")
+    *parents, leaf = _override_path(override)
     node = raw
     for part in parents:
         if isinstance(node, dict) and node.get(part) is None:  # an unset optional section (models.reference)
@@ -781,6 +779,11 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
         if not isinstance(node, dict | list):
             raise LmppoError(f"override {override!r}: {part!r} is a value, not a section")
     node[_list_index(node, leaf, override) if isinstance(node, list) else leaf] = yaml.safe_load(value)
+
+
+def _override_path(override: str) -> list[str]:
+    """The location an override sets: ``reward.components.1.weight=2`` -> reward, components, 1, weight."""
+    return override.partition("=")[0].strip().split(".")
 
 
 def _list_index(node: list, part: str, override: str) -> int:
@@ -793,24 +796,150 @@ def _list_index(node: list, part: str, override: str) -> int:
     return int(part)
 
 
-def validate_config(raw: dict[str, Any], source: str = "config", schema: type[Section] = Config) -> Section:
+def validate_config(
+    raw: dict[str, Any],
+    source: str = "config",
+    schema: type[Section] = Config,
+    overrides: Sequence[str] = (),
+    overrides_from: str = "command line",
+) -> Section:
+    """``raw`` as a ``schema``, or an LmppoError listing every problem, one line each. ``overrides`` are the
+    ``a.b=c`` overrides already applied to ``raw`` (given on ``overrides_from``): a problem they caused
+    names them rather than ``source``."""
     try:
         return schema.model_validate(raw)
     except ValidationError as err:
-        problems = "\n".join(f"  - {_describe(e, schema)}" for e in err.errors())
-        raise LmppoError(f"{source} is not a valid lmppo config:\n{problems}") from None
+        if not overrides:  # the one source: named once, above its problems
+            problems = "\n".join(f"  - {_describe(e, schema)}" for e in err.errors())
+            raise LmppoError(f"{source} is not a valid lmppo config:\n{problems}") from None
+        problems = "\n".join(
+            f"  - {_origin(e, source, overrides, overrides_from)}: {_describe(e, schema)}"
+            for e in err.errors()
+        )
+        raise LmppoError(f"{source} with its overrides is not a valid lmppo config:\n{problems}") from None
+
+
+def _origin(error: dict[str, Any], source: str, overrides: Sequence[str], overrides_from: str) -> str:
+    """Where a problem came from: the last override that set its location (or a section around it), else
+    ``source`` with the overrides inside its location (a cross-field check over what they changed), else
+    ``source`` alone."""
+    loc = [str(p) for p in error["loc"]]
+    if error["type"] == "missing":  # nothing set a missing key: whoever made its section did this
+        loc = loc[:-1] or loc
+    setting = [o for o in overrides if _is_prefix(_override_path(o), loc)]
+    if setting:
+        return f"the override {setting[-1]} ({overrides_from})"
+    inside = [o for o in overrides if _is_prefix(loc, _override_path(o))]
+    if inside:
+        return f"{source} with the override{'s' * (len(inside) > 1)} {', '.join(inside)} ({overrides_from})"
+    return source
+
+
+def _is_prefix(head: list[str], path: list[str]) -> bool:
+    return path[: len(head)] == head
+
+
+# Names users bring from TRL (PPOConfig old and new, GRPOConfig, ModelConfig, transformers'
+# TrainingArguments), OpenRLHF and verl, with the key of ours that means the same: an unknown key of that
+# name suggests ours. A "section.name" entry applies in that section only, where the trainers disagree:
+# TRL's target_kl stops the PPO epochs early, verl's kl_ctrl.target_kl is the adaptive controller's target;
+# OpenRLHF's train_batch_size counts the responses of an optimizer step, verl's data.train_batch_size the
+# prompts of a step. Left out for want of an equivalent: TRL's total_episodes (ours: run.steps x
+# rollout.batch_size), num_mini_batches (a count; ours is a size), whiten_rewards (reward.normalize keeps
+# running statistics of the raw score instead); verl's ppo_mini_batch_size (counts prompts, ours
+# responses); per-GPU batch sizes (ours are global).
+OTHER_TRAINERS_KEYS = {
+    "model_name_or_path": "models.policy.path",
+    "sft_model_path": "models.policy.path",
+    "pretrain": "models.policy.path",
+    "use_peft": "models.policy_lora.enabled",
+    "lora_r": "models.policy_lora.r",
+    "lora_rank": "models.policy_lora.r",
+    "lora_alpha": "models.policy_lora.alpha",
+    "lora_dropout": "models.policy_lora.dropout",
+    "lora_target_modules": "models.policy_lora.target_modules",
+    "custom_chat_template": "models.policy.chat_template",
+    "reward_model_path": "reward.model.path",
+    "reward_pretrain": "reward.model.path",
+    "remote_rm_url": "reward.url",
+    "score_clip": "reward.clip",
+    "prompt_data": "data.prompts",
+    "train_files": "data.prompts",
+    "input_key": "data.prompt_key",
+    "eval_dataset": "data.eval_prompts",
+    "val_files": "data.eval_prompts",
+    "prompt_max_len": "data.max_prompt_length",
+    "batch_size": "rollout.batch_size",  # TRL's responses per step (one per prompt), not reward.batch_size
+    "rollout_batch_size": "rollout.batch_size",
+    "data.train_batch_size": "rollout.batch_size",
+    "num_generations": "rollout.samples_per_prompt",
+    "n_samples_per_prompt": "rollout.samples_per_prompt",
+    "rollout.n": "rollout.samples_per_prompt",
+    "response_length": "rollout.max_new_tokens",
+    "max_response_length": "rollout.max_new_tokens",
+    "max_completion_length": "rollout.max_new_tokens",
+    "generate_max_len": "rollout.max_new_tokens",
+    "max_length": "rollout.max_new_tokens",  # generate()'s counts the prompt too; the nearest we have
+    "stop_token_id": "rollout.stop_token_ids",
+    "adv_estimator": "ppo.advantage",
+    "advantage_estimator": "ppo.advantage",
+    "num_ppo_epochs": "ppo.ppo_epochs",
+    "max_epochs": "ppo.ppo_epochs",
+    "mini_batch_size": "ppo.minibatch_size",
+    "train_batch_size": "ppo.minibatch_size",
+    "cliprange": "ppo.clip_eps",
+    "eps_clip": "ppo.clip_eps",
+    "clip_ratio": "ppo.clip_eps",
+    "cliprange_value": "ppo.value_clip_eps",
+    "value_clip": "ppo.value_clip_eps",
+    "entropy_coeff": "ppo.ent_coef",
+    "entropy_loss_coef": "ppo.ent_coef",
+    "lambd": "ppo.lam",
+    "target_kl": "ppo.target_approx_kl",
+    "max_norm": "ppo.max_grad_norm",
+    "grad_clip": "ppo.max_grad_norm",
+    "learning_rate": "ppo.lr",
+    "actor_learning_rate": "ppo.lr",
+    "critic_learning_rate": "ppo.value_lr",
+    "l2": "ppo.weight_decay",
+    "adam_epsilon": "ppo.adam_eps",
+    "lr_scheduler_type": "ppo.lr_schedule",
+    "lr_scheduler": "ppo.lr_schedule",
+    "lr_warmup_steps": "ppo.warmup_steps",
+    "freezing_actor_steps": "ppo.critic_warmup_steps",
+    "critic_warmup": "ppo.critic_warmup_steps",
+    "loss_agg_mode": "ppo.loss_aggregation",
+    "enable_gradient_checkpointing": "ppo.gradient_checkpointing",
+    "kl_coef": "kl.beta",
+    "init_kl_coef": "kl.beta",
+    "kl_loss_coef": "kl.beta",
+    "use_kl_loss": "kl.in_loss",
+    "kl_estimator": "kl.estimator",
+    "adap_kl_ctrl": "kl.adaptive",
+    "kl_target": "kl.target",
+    "kl.target_kl": "kl.target",
+    "kl_horizon": "kl.horizon",
+    "save_path": "run.output_dir",
+    "max_steps": "run.steps",
+    "total_training_steps": "run.steps",
+    "save_steps": "run.checkpoint_every",
+    "save_freq": "run.checkpoint_every",
+    "save_total_limit": "run.keep_last",
+    "max_ckpt_num": "run.keep_last",
+    "eval_steps": "run.eval_every",
+    "test_freq": "run.eval_every",
+    "report_to": "logging.sinks",
+    "exp_name": "logging.run_name",
+    "experiment_name": "logging.run_name",
+    "wandb_run_name": "logging.run_name",
+}
 
 
 def _describe(error: dict[str, Any], schema: type[Section]) -> str:
     loc = [str(p) for p in error["loc"]]
     where = ".".join(loc) or "(top level)"
     if error["type"] == "extra_forbidden":
-        valid = _valid_keys(loc[:-1], schema)
-        near = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
-        hint = (
-            f"did you mean {'.'.join(loc[:-1] + near)!r}?" if near else f"valid keys here: {', '.join(valid)}"
-        )
-        return f"unknown key {where!r}: {hint}"
+        return f"unknown key {where!r}: {_unknown_key_hint(loc, schema)}"
     if error["type"] == "missing":
         return f"{where} is required"
     if error["type"] == "value_error":  # our own cross-field checks: the message says it all
@@ -818,15 +947,55 @@ def _describe(error: dict[str, Any], schema: type[Section]) -> str:
     return f"{where}: {error['msg']} (got {error.get('input')!r})"
 
 
+def _unknown_key_hint(loc: list[str], schema: type[Section]) -> str:
+    """The key an unknown key at ``loc`` most likely meant, else its section's valid keys."""
+    meant = _meant_key(loc, schema)
+    if meant:
+        return f"did you mean {meant!r}?"
+    valid = _valid_keys(loc[:-1], schema)
+    near = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)  # a misspelling in its own section
+    return f"did you mean {'.'.join(loc[:-1] + near)!r}?" if near else f"valid keys here: {', '.join(valid)}"
+
+
+def _meant_key(loc: list[str], schema: type[Section]) -> str | None:
+    """The full key another trainer's name for ``loc`` means, or a key of ours of that name in another
+    section: of those, the one sharing the most sections with ``loc`` (a key one level too deep finds its
+    own), the other trainer's meaning first when none is nearer."""
+    section, name = loc[:-1], loc[-1]
+    foreign = OTHER_TRAINERS_KEYS.get(".".join(loc[-2:])) or OTHER_TRAINERS_KEYS.get(name)
+    tails = [tail for tail in (foreign, name) if tail]
+    keys = [key for tail in tails for key in _full_keys(schema) if key == tail or key.endswith(f".{tail}")]
+    return max(keys, key=lambda key: len(os.path.commonprefix([key.split("."), section])), default=None)
+
+
+def _full_keys(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
+    """Every key of ``model`` as a dotted path, into nested and optional sections but not into lists (an
+    item's key needs its index)."""
+    for name, field in model.model_fields.items():
+        yield prefix + name
+        section = section_of(field.annotation)
+        if section is not None and get_origin(field.annotation) is not list:
+            yield from _full_keys(section, f"{prefix}{name}.")
+
+
 def _valid_keys(loc: list[str], schema: type[Section]) -> list[str]:
-    """Field names of the section at ``loc`` (following nested sections and optional sections)."""
-    model: type[BaseModel] = schema
+    """Field names of the section at ``loc`` (following nested sections, optional sections and list items)."""
+    model: type[BaseModel] | None = schema
     for part in loc:
+        if part.isdigit():  # an item of a list of sections (reward.components.0): the item's keys
+            continue
         field = model.model_fields.get(part)
-        if field is None:
-            return []
-        candidates = [field.annotation, *getattr(field.annotation, "__args__", ())]
-        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        model = section_of(field.annotation) if field else None
         if model is None:
             return []
     return list(model.model_fields)
+
+
+def section_of(annotation: Any) -> type[BaseModel] | None:
+    """The section class a field holds (itself, optional, or a list of it), else None."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+        if get_origin(candidate) is list:
+            return section_of(get_args(candidate)[0])
+    return None

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from lmppo.config import Config, LoraConfig, ModelSource, SupervisedConfig
+from lmppo.config import Config, LoraConfig, ModelSource, SupervisedConfig, section_of
 
 HEADER = """# Configuration reference
 
@@ -30,16 +30,6 @@ writes a commented starter config.
 
 # sections that recur (every model, every LoRA): one table each at the end, a row where they are used
 SHARED = {ModelSource: "a model", LoraConfig: "a LoRA section"}
-
-
-def section_of(annotation) -> type[BaseModel] | None:
-    """The section class a field holds (itself, optional, or a list of it), else None."""
-    for candidate in (annotation, *typing.get_args(annotation)):
-        if inspect.isclass(candidate) and issubclass(candidate, BaseModel):
-            return candidate
-        if typing.get_origin(candidate) is list:
-            return section_of(typing.get_args(candidate)[0])
-    return None
 
 
 def _type_name(annotation) -> str:
