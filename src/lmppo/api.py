@@ -6,7 +6,7 @@
         "my_config.yaml",                      # or a dict, or a lmppo.config.Config
         reward=lambda prompts, responses: [float(len(r) < 40) for r in responses],
         prompts=["Say hi.", {"messages": [{"role": "user", "content": "Name a colour."}]}],
-        on_step=lambda step, metrics: print(step, metrics["reward/rm_score"]),
+        on_step=lambda step, metrics: print(step, metrics["reward/rm_score"]),  # after each PPO step
     )
     policy, tokenizer = result.policy(), result.tokenizer()
 
@@ -66,6 +66,7 @@ def train(
     on_step: StepCallback | None = None,
     resume: bool = False,
     force: bool = False,
+    verbose: bool = False,
 ) -> TrainResult:
     """Run PPO (or best-of-N, by ``run.algorithm``) as configured; returns the finished run.
 
@@ -74,9 +75,12 @@ def train(
     row`` used as ``reward.function`` (it replaces the config's reward). ``prompts`` and ``eval_prompts``:
     the rows themselves (strings, message lists, or dicts with a ``prompt``/``messages`` column or the
     one ``data.prompt_key`` names) instead of files. ``on_step(step, metrics)`` is called on the main
-    process with each step's global metrics (step 0: the starting policy's evaluation and pre-flight).
-    Bad input raises :class:`lmppo.errors.LmppoError` with the message the CLI prints.
+    process after each PPO step (1, 2, ...) with its global metrics; the starting policy's record (step 0:
+    its evaluation and the reward pre-flight) is ``result.metrics[0]``. ``verbose`` leaves transformers'
+    progress bars and load reports on. Bad input raises :class:`lmppo.errors.LmppoError` with the message
+    the CLI prints.
     """
+    from lmppo.loading import quiet_transformers
     from lmppo.run import train as run_training
     from lmppo.scoring import python_function_spec
 
@@ -91,7 +95,11 @@ def train(
         data["prompts"] = list(prompts)
     if eval_prompts is not None:
         data["eval_prompts"] = list(eval_prompts)
-    cfg = validate_config(raw, source="the config given to lmppo.train")
+    cfg = validate_config(
+        raw, source="the config given to lmppo.train", overrides=overrides, overrides_from="lmppo.train"
+    )
+    if not verbose:
+        quiet_transformers()
     run_dir = run_training(cfg, resume=resume, force=force, on_step=on_step)
     return TrainResult(Path(run_dir), cfg)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = make_console(stderr=True)
+_transformers_verbose = False  # `lmppo --verbose`, set by _root for the command that follows
 
 
 def _version(value: bool) -> None:
@@ -34,24 +34,36 @@ def _root(
     version: bool = typer.Option(
         False, "--version", callback=_version, is_eager=True, help="Print the version."
     ),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Leave transformers' progress bars and load reports on."
+    ),
 ) -> None:
     """PPO for RLHF on Hugging Face causal language models."""
+    global _transformers_verbose
+    _transformers_verbose = verbose
 
 
-def quiet_transformers() -> None:
-    """transformers' progress bars ("Loading weights", "Writing model shards") and load reports would
-    interleave with lmppo's own lines; lmppo checks what matters in them itself (a reward model without a
-    trained score head is refused) and its warnings still show. ``TRANSFORMERS_VERBOSITY`` wins when set."""
-    from transformers.utils import logging as transformers_logging
+def _quiet_transformers_unless_verbose() -> None:
+    """Each command that loads models calls this just before, rather than `main` at start-up: help and the
+    errors a config or a missing file causes then never wait seconds for transformers (and torch) to import.
+    `lmppo --verbose` leaves transformers' bars and load reports on."""
+    if not _transformers_verbose:
+        from lmppo.loading import quiet_transformers
 
-    transformers_logging.disable_progress_bar()
-    if "TRANSFORMERS_VERBOSITY" not in os.environ:
-        transformers_logging.set_verbosity_error()
+        quiet_transformers()
+
+
+def _check_run_directory(run_dir: Path, command: str) -> None:
+    """Refuse a run directory without metrics before the command imports torch to read them."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise LmppoError(
+            f"no {run_dir / 'metrics.jsonl'}: train first (`lmppo ppo CONFIG` or `lmppo quickstart`) so "
+            f"{run_dir} is a run directory, then run `lmppo {command} {run_dir}`"
+        )
 
 
 def main() -> None:
     """Entry point: user errors become one paragraph and exit code 2, never a traceback."""
-    quiet_transformers()
     try:
         app()
     except Interrupted as stop:  # saved and stopped, as asked: not an error, but not finished either
@@ -112,12 +124,13 @@ def _train_run(
 ) -> None:
     """`lmppo ppo` and `lmppo best-of-n`: one run of the config, new or resumed."""
     from lmppo.config import load_config
-    from lmppo.run import resumed_config, train
 
     overrides = list(overrides or [])
     if config is not None and "=" in str(config):  # `lmppo ppo --resume RUN_DIR a.b=c`
         overrides, config = [str(config), *overrides], None
     if resume is not None:
+        from lmppo.run import resumed_config  # reads the checkpoint with torch
+
         config = config or resumed_config(resume, restore=restore_config)
         overrides.append(f"run.output_dir={resume}")
     if config is None:
@@ -135,8 +148,17 @@ def _train_run(
                 f"names the algorithm: use `lmppo {asked[-1].replace('_', '-')} CONFIG ...` without the override"
             )
         overrides.append(f"run.algorithm={algorithm}")
+    cfg = load_config(config, overrides)  # a bad config is refused before torch and transformers import
+    steps = f"{cfg.run.steps} step{'s' * (cfg.run.steps != 1)}"
+    what = "resuming" if resume is not None else "starting"
+    print(
+        f"lmppo {command}: {what} {cfg.run.output_dir} ({steps})", flush=True
+    )  # at once: imports take seconds
+    from lmppo.run import train
+
+    _quiet_transformers_unless_verbose()
     run_dir = train(
-        load_config(config, overrides),
+        cfg,
         resume=resume is not None,
         allow_config_change=allow_config_change,
         force=force,
@@ -157,13 +179,16 @@ def plan(
 ) -> None:
     """The run's memory per rank before it starts: models, KV cache, activations, against the device."""
     from lmppo.config import load_config
-    from lmppo.plan import GIB, memory_plan, plan_report
 
     cfg = load_config(config, list(overrides or []))
+    from lmppo.plan import GIB, check_startable, memory_plan, plan_report
+
+    _quiet_transformers_unless_verbose()
     available = int(memory_gb * GIB) if memory_gb is not None else None
     make_console().print(
         plan_report(memory_plan(cfg, world_size=ranks, available=available))
     )  # stdout: a result
+    check_startable(cfg)  # what `lmppo ppo` would refuse besides memory, so "fits" means it starts
 
 
 def _supervised_config(config: Path, overrides: list[str] | None):
@@ -180,9 +205,10 @@ def sft(
     overrides: list[str] | None = typer.Argument(None, help="key=value overrides, e.g. lr=1e-5"),
 ) -> None:
     """Supervised fine-tuning on demonstrations (response-only loss): the policy's starting point."""
+    cfg = _supervised_config(config, overrides)
     from lmppo.sft import run_sft
 
-    cfg = _supervised_config(config, overrides)
+    _quiet_transformers_unless_verbose()
     stats = run_sft(cfg)
     console.print(
         f"SFT: {stats['steps']} steps, final loss {stats['loss'][-1]:.4f}, "
@@ -198,9 +224,10 @@ def train_rm(
     overrides: list[str] | None = typer.Argument(None, help="key=value overrides, e.g. epochs=2"),
 ) -> None:
     """Train a Bradley-Terry reward model on preference pairs; reports held-out accuracy per slice."""
+    cfg = _supervised_config(config, overrides)
     from lmppo.reward_modeling import run_train_rm
 
-    cfg = _supervised_config(config, overrides)
+    _quiet_transformers_unless_verbose()
     stats = run_train_rm(cfg)
     accuracy = f", held-out accuracy {stats['eval']['accuracy']:.3f}" if "eval" in stats else ""
     console.print(
@@ -217,8 +244,12 @@ def evaluate(
     ),
 ) -> None:
     """Evaluate a run's final policy against its starting policy on held-out prompts (RM score, KL, win rate)."""
+    from lmppo.config import load_config
+
+    load_config(run_dir / "config.yaml")  # not a run directory: said before torch is imported
     from lmppo.evaluate import evaluate_run, summary_table
 
+    _quiet_transformers_unless_verbose()
     console.print(summary_table(evaluate_run(run_dir, prompts)))
 
 
@@ -240,6 +271,7 @@ def quickstart(
     """The whole RLHF pipeline on the embedded toy world: SFT, reward model, PPO, evaluation, report."""
     from lmppo.quickstart import run_quickstart
 
+    _quiet_transformers_unless_verbose()
     overrides = list(overrides or [])
     if beta is not None:
         overrides.append(f"kl.beta={beta}")
@@ -310,7 +342,10 @@ def serve_rm(
     """Serve a reward model over HTTP for `reward.url` (the wire format: docs/rewards.md)."""
     from lmppo.remote_reward import reward_server
 
+    if chat_template is not None and not chat_template.is_file():
+        raise LmppoError(f"--chat-template {chat_template}: no such file; give a Jinja template file")
     template = chat_template.read_text() if chat_template else None
+    _quiet_transformers_unless_verbose()
     try:
         server = reward_server(model, host, port, batch_size=batch_size, chat_template=template)
     except OSError as err:
@@ -330,9 +365,12 @@ def check_rm(
     """The reward pre-flight without training: how the reward scores the starting policy's own samples
     (distribution, per slice, correlation with length and with ending on EOS)."""
     from lmppo.config import load_config
+
+    cfg = load_config(config, list(overrides or []))
     from lmppo.preflight import check_reward, preflight_tables, summary_line
 
-    preflight, bias = check_reward(load_config(config, list(overrides or [])))
+    _quiet_transformers_unless_verbose()
+    preflight, bias = check_reward(cfg)
     out = make_console()  # stdout: a result
     for table in preflight_tables(preflight):
         out.print(table)
@@ -343,6 +381,7 @@ def check_rm(
 @app.command()
 def diagnose(run_dir: Path = typer.Argument(..., help="A run directory (holds metrics.jsonl).")) -> None:
     """Read a run's metrics against the known PPO failure modes: evidence, likely cause, what to change."""
+    _check_run_directory(run_dir, "diagnose")
     from lmppo.diagnose import diagnose_run
 
     findings = diagnose_run(run_dir)
@@ -358,6 +397,8 @@ def report(
     compare: list[Path] | None = typer.Option(None, "--compare", help="Other runs to overlay on the curves."),
 ) -> None:
     """Write the HTML report (plots, evaluation, samples) of a run into RUN_DIR/report/."""
+    for directory in [run_dir, *(compare or [])]:
+        _check_run_directory(directory, "report")
     from lmppo.report import report as write_report
 
     console.print(f"report: {write_report(run_dir, compare=compare or [])}")

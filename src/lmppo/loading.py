@@ -9,6 +9,7 @@ The policy and the reference are causal LMs; a reward model is a sequence scorer
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -29,15 +30,32 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.utils import logging as transformers_logging
 
 from lmppo.config import ModelSource
-from lmppo.errors import LmppoError
+from lmppo.errors import LmppoError, read_from
 from lmppo.quantize import quantize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+def quiet_transformers() -> None:
+    """Switch off transformers' progress bars ("Loading weights", "Writing model shards", a GGUF file's
+    de-quantizing) and its load reports: they would interleave with lmppo's own lines, and lmppo checks what
+    matters in them itself (a reward model without a trained score head is refused). Warnings still show;
+    ``TRANSFORMERS_VERBOSITY`` wins when set. The CLI (unless ``--verbose``) and the Python API call this
+    before they load models."""
+    from transformers import modeling_gguf_pytorch_utils
+
+    transformers_logging.disable_progress_bar()
+    # The GGUF loader draws its bar with tqdm itself, past the switch above: give it transformers' own.
+    modeling_gguf_pytorch_utils.tqdm = transformers_logging.tqdm
+    if "TRANSFORMERS_VERBOSITY" not in os.environ:
+        transformers_logging.set_verbosity_error()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -83,7 +101,8 @@ def resolve_source(model: ModelSource | str | os.PathLike) -> ResolvedSource:
     cached = _local_hub_snapshot(spec.path)
     if cached is None:
         raise LmppoError(
-            f"model path {spec.path!r} does not exist and is not in the local Hugging Face cache. "
+            f"model path {spec.path!r} does not exist{read_from(spec.path)} and is not in the local Hugging "
+            "Face cache. "
             "lmppo never downloads models: fetch it first (e.g. `hf download ORG/NAME --local-dir DIR`) "
             "and point the config at that directory."
         )
@@ -99,6 +118,28 @@ def _local_hub_snapshot(repo_id: str) -> Path | None:
         return Path(snapshot_download(repo_id, local_files_only=True))
     except (LocalEntryNotFoundError, HFValidationError, OSError):
         return None
+
+
+def _refuse_non_model_directory(
+    source: ResolvedSource, *, enough: tuple[str, ...] = ("config.json",)
+) -> None:
+    """Refuse a directory holding none of ``enough`` before transformers is asked: it would blame a missing
+    ``model_type`` key of a config.json that does not exist. A .gguf file inside is named, as it is often
+    what the user meant."""
+    if source.gguf_file or any((source.directory / name).is_file() for name in enough):
+        return
+    found = sorted(p.name for p in source.directory.glob("*.gguf"))
+    if len(found) == 1:
+        hint = f" It holds {found[0]}: set `models.<role>.path` to {source.directory / found[0]}."
+    elif found:
+        hint = f" It holds {', '.join(found)}: set `models.<role>.path` to one of them."
+    else:
+        hint = ""
+    raise LmppoError(
+        f"model path {str(source.directory)!r} is a directory with no config.json: not a transformers model "
+        "directory, so transformers cannot load it. Point it at a directory saved with save_pretrained (config.json + safetensors) or at a "
+        f".gguf file.{hint}"
+    )
 
 
 def _from_pretrained_kwargs(spec: ModelSource, source: ResolvedSource, *, weights: bool = True) -> dict:
@@ -160,10 +201,9 @@ def load_tokenizer(model: ModelSource | str | os.PathLike) -> PreTrainedTokenize
     """The tokenizer (with its chat template) of a model section (or a bare path): directory or GGUF."""
     spec = as_model_source(model)
     source = resolve_source(spec)
+    _refuse_non_model_directory(source, enough=("config.json", *TOKENIZER_FILES))  # a tokenizer alone loads
     try:
-        return AutoTokenizer.from_pretrained(
-            source.directory, **_from_pretrained_kwargs(spec, source, weights=False)
-        )
+        return _pretrained(AutoTokenizer, source, _from_pretrained_kwargs(spec, source, weights=False))
     except (OSError, ValueError, KeyError) as err:
         if source.gguf_file:
             raise LmppoError(
@@ -176,18 +216,36 @@ def load_tokenizer(model: ModelSource | str | os.PathLike) -> PreTrainedTokenize
 def load_model_config(model: ModelSource | str | os.PathLike):
     """A model's architecture config alone (no weights read): what :mod:`lmppo.plan` sizes."""
     spec, source = as_model_source(model), resolve_source(model)
+    _refuse_non_model_directory(source)
     try:
-        return AutoConfig.from_pretrained(
-            source.directory, **_from_pretrained_kwargs(spec, source, weights=False)
-        )
+        return _pretrained(AutoConfig, source, _from_pretrained_kwargs(spec, source, weights=False))
     except (OSError, ValueError) as err:
         raise _load_error("the model config", source, err) from None
 
 
+_parsed_gguf: dict[tuple, object] = {}  # (auto class, file, size, mtime, remote code) -> config or tokenizer
+
+
+def _pretrained(auto, source: ResolvedSource, kwargs: dict):
+    """``auto.from_pretrained`` (a config or a tokenizer) of a model's files. A GGUF file is parsed once
+    per process (seconds each time, and ``lmppo init``'s plans, the plan and the run ask again); each
+    caller gets a copy of its own."""
+    if not source.gguf_file:
+        return auto.from_pretrained(source.directory, **kwargs)
+    file = source.directory / source.gguf_file
+    stat = file.stat()
+    key = (auto.__name__, str(file), stat.st_size, stat.st_mtime_ns, kwargs["trust_remote_code"])
+    if key not in _parsed_gguf:
+        _parsed_gguf[key] = auto.from_pretrained(source.directory, **kwargs)
+    return copy.deepcopy(_parsed_gguf[key])
+
+
 def _weights_source(model: ModelSource | str | os.PathLike) -> tuple[ModelSource, ResolvedSource]:
-    """The section and its files, refusing a directory whose weights only pickle could load."""
+    """The section and its files, refusing a directory that is no model or whose weights only pickle could
+    load."""
     spec = as_model_source(model)
     source = resolve_source(spec)
+    _refuse_non_model_directory(source)
     if not source.gguf_file:
         names = {p.name for p in source.directory.iterdir() if p.suffix in WEIGHT_SUFFIXES}
         if names and not any(name.endswith(".safetensors") for name in names):
@@ -230,7 +288,7 @@ def load_reward_model(model: ModelSource | str | os.PathLike, *, new_head: bool 
     ``pad_token_id`` goes into its config.
     """
     spec, source = _weights_source(model)
-    _check_one_label(source)
+    _check_reward_config(source, new_head)
     extra = {} if pad_token_id is None else {"pad_token_id": pad_token_id}
     try:
         scorer, info = AutoModelForSequenceClassification.from_pretrained(
@@ -254,18 +312,33 @@ def load_reward_model(model: ModelSource | str | os.PathLike, *, new_head: bool 
     return freeze(quantize(scorer, spec.quantize) if spec.quantize else scorer)
 
 
-def _check_one_label(source: ResolvedSource) -> None:
-    """A sequence classifier with several outputs is not a reward model (transformers would resize its head)."""
-    config_file = source.directory / "config.json"
-    if source.gguf_file or not config_file.is_file():
+def check_reward_model(model: ModelSource | str | os.PathLike) -> None:
+    """What a reward model's config says, before any weight is read (``lmppo init``): a scorer with one
+    output, not a causal LM nor a classifier with several outputs."""
+    _check_reward_config(_weights_source(model)[1], new_head=False)
+
+
+def _check_reward_config(source: ResolvedSource, new_head: bool) -> None:
+    """A sequence classifier with several outputs is not a reward model (transformers would resize its
+    head), and, unless it gets a ``new_head`` to train, neither is a causal LM (it would get a random one).
+    A GGUF file's config says neither: its missing score head is found when it loads."""
+    if source.gguf_file:
         return
-    config = json.loads(config_file.read_text())
-    classifier = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+    config = json.loads((source.directory / "config.json").read_text())  # there: _weights_source checked
+    architectures = config.get("architectures") or []
+    classifier = any(a.endswith("ForSequenceClassification") for a in architectures)
     labels = len(config["id2label"]) if "id2label" in config else 2  # transformers omits its default, 2
     if classifier and labels != 1:
         raise LmppoError(
             f"{source} is a sequence classifier with {labels} outputs; a reward model needs one scalar "
             "(num_labels=1). Train one with `lmppo train-rm`, or use a reward model with a single output."
+        )
+    if not classifier and not new_head and any(a.endswith("ForCausalLM") for a in architectures):
+        raise LmppoError(
+            f"{source} is a causal language model ({', '.join(architectures)}), not a reward model: a reward "
+            "model scores a whole response with a trained one-output head (a ...ForSequenceClassification "
+            "checkpoint). Train one from it on preference pairs with `lmppo train-rm`, or score with a "
+            "function instead (reward.function, `lmppo init --reward-function file.py:score`)."
         )
 
 
