@@ -7,12 +7,16 @@ Nothing is downloaded. Models are 2-layer Llamas with hidden size 32, so a forwa
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import torch
@@ -169,6 +173,7 @@ def toy_trainer(*overrides: str, models: PPOModels | None = None, **kwargs) -> P
     cfg = load_config(
         base=BASE,
         overrides=[
+            "run.precision=fp32",  # what the tolerances are for, on any CPU (in a spawned rank too)
             "rollout.max_new_tokens=8",
             "rollout.batch_size=8",
             "ppo.minibatch_size=4",
@@ -296,3 +301,40 @@ INPUT_IDS = torch.tensor([[1, 3, 7, 9, 12, 4, 20], [1, 3, 8, 8, 30, 4, 22]])
 def logits(model, input_ids=INPUT_IDS) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=input_ids).logits
+
+
+# --------------------------------------------------------------------------------------------------
+# Reward servers on 127.0.0.1
+# --------------------------------------------------------------------------------------------------
+
+
+def serving(server: HTTPServer):
+    """Serve in a thread; returns the URL."""
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_port}/score"
+
+
+def fake_server(answers: list):
+    """A server answering each request with the next of ``answers``: (status, body) or a delay in s."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            answer = answers.pop(0) if answers else (200, {"rewards": count_good(None, request["responses"])})
+            if isinstance(answer, float):
+                time.sleep(answer)
+                answer = (200, {"rewards": [0.0] * len(request["responses"])})
+            status, body = answer
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except BrokenPipeError:  # the client gave up waiting: what the timeout test wants
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    return HTTPServer(("127.0.0.1", 0), Handler)

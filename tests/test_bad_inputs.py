@@ -369,7 +369,7 @@ CASES = [
             lambda world, here: {"models": {"policy": {"path": str(world / "policy"), "gguf_file": "x.gguf"}}}
         ),
     ),
-    Case("reward model without a score head", "no trained score head", reward_model_dir(None)),
+    Case("reward model that is a causal LM", "is a causal language model", reward_model_dir(None)),
     Case("reward model with two outputs", "2 outputs; a reward model needs one scalar", reward_model_dir(2)),
     Case(
         "critic from a reward model that is a function",

@@ -5,8 +5,9 @@ import math
 import pytest
 from helpers import run_cli
 
-from lmppo.config import DiagnosisConfig
-from lmppo.diagnose import RULES, LiveDiagnosis, diagnose
+from lmppo.config import DiagnosisConfig, GuardsConfig
+from lmppo.diagnose import RULES, LiveDiagnosis, diagnose, nonfinite_cause
+from lmppo.guards import Guards
 
 STEPS = 40
 
@@ -57,6 +58,7 @@ CASES = {
     "length_drift": history(response__truncated_frac=lambda s: min(1.0, s / 20)),
     "stale_batches": history(policy__clip_frac=lambda s: 0.45),
     "reward_bias": history(preflight__length_spearman=lambda s: 0.8),
+    "nonfinite": history(value__loss=lambda s: math.inf if s > 12 else 0.5),
 }
 
 
@@ -135,3 +137,14 @@ def test_a_component_rising_while_the_judge_falls_is_over_optimisation_even_if_t
         record["reward/format/raw"] = 0.05 * record["step"]  # not in the healthy history: set it here
     found = {f.rule: f for f in diagnose(hacked)}
     assert "over_optimisation" in found and "reward/format/raw rose" in found["over_optimisation"].evidence
+
+
+def test_the_guard_and_the_rule_blame_what_went_non_finite_first():
+    """The nonfinite guard's message and the diagnosis name the same cause, from the metrics that broke."""
+    critic = diagnose(CASES["nonfinite"])[0]
+    assert critic.rule == "nonfinite" and critic.steps == (13, STEPS) and "value/loss" in critic.evidence
+    assert "critic diverged" in critic.cause
+    guards = Guards(GuardsConfig(nonfinite_patience=1))
+    fired = guards.check(7, {"policy/loss": math.nan, "policy/grad_norm": math.nan})
+    assert "the update overflowed" in fired.message and "ppo.lr" in fired.message
+    assert nonfinite_cause(["reward/rm_score", "adv/mean"])[0] == "the reward produced non-finite scores"

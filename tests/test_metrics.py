@@ -1,8 +1,6 @@
 import json
 import math
-import re
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -18,7 +16,6 @@ from lmppo.metrics import (
     REDUCE_OPS,
     RENAMED_METRICS,
     MetricsLogger,
-    ProgressDisplay,
     read_metrics,
     reduce_metrics,
 )
@@ -264,50 +261,3 @@ def test_a_resumed_run_drops_the_tensorboard_steps_logged_after_its_checkpoint(t
     events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("kl/ref")] == [(1, 1), (2, 2), (3, 3), (4, 40), (5, 50)]
-
-
-# --------------------------------------------------------------------------------------------------
-# ProgressDisplay
-# --------------------------------------------------------------------------------------------------
-
-STEP_METRICS = {
-    "reward/rm_score": 0.5,
-    "kl/ref": 1.25,
-    "kl/beta": 0.05,
-    "policy/clip_frac": 0.1,
-    "perf/step_s": 2.0,
-}
-
-
-def test_quiet_progress_prints_a_plain_line_every_n_steps(capsys):
-    with ProgressDisplay(10, quiet=True, every=4) as progress:
-        for step in range(1, 11):
-            progress.update(step, STEP_METRICS)
-    lines = capsys.readouterr().out.splitlines()
-    assert [line.split(" | ")[0] for line in lines] == ["step 4/10", "step 8/10", "step 10/10"]
-    assert re.fullmatch(
-        r"step 4/10 \| rm 0.5 \| kl 1.25 \| beta 0.05 \| clip 0.1 \| 2.00 s/step \| ETA 0:00:0\d", lines[0]
-    )
-
-
-def test_progress_measures_step_time_and_eta_when_not_given(monkeypatch):
-    clock = iter([1000.0, 1030.0])  # 30 s for the 10 steps since the resumed run started
-    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
-    progress = ProgressDisplay(100, quiet=True, start_step=40)
-    line = progress.status_line(50, {"kl/ref": 2.0, "policy/clip_frac": math.nan})
-    assert line == "step 50/100 | kl 2 | clip nan | 3.00 s/step | ETA 0:02:30"
-
-
-def test_live_progress_renders_the_status_line(capsys):
-    progress = ProgressDisplay(3)
-    progress.quiet = False  # pytest's stdout is not a terminal, which would select quiet mode
-    with progress:
-        for step in (1, 2, 3):
-            progress.update(step, STEP_METRICS)
-    assert "step 3/3" in capsys.readouterr().out
-
-
-def test_progress_on_other_ranks_is_silent(capsys):
-    with ProgressDisplay(2, quiet=True, every=1, enabled=False) as progress:
-        progress.update(1, STEP_METRICS)
-    assert capsys.readouterr().out == ""

@@ -75,7 +75,8 @@ def test_a_rollout_engine_is_counted_in_every_phase_it_holds_memory(run_files):
     engine=hf with rollout.asynchronous holds a snapshot of the policy, and decodes during the update."""
 
     def plan(device, *overrides):
-        return memory_plan(load_config(run_files, list(overrides)), device=device, available=2**50)
+        cfg = load_config(run_files, ["run.precision=auto", *overrides])
+        return memory_plan(cfg, device=device, available=2**50)
 
     for device in ("cpu", "cuda"):
         base = plan(device)
@@ -123,6 +124,9 @@ def test_lmppo_plan_prints_the_table_and_the_verdict(run_files, capsys):
     out = capsys.readouterr().out
     assert "memory plan per rank: cpu, fp32, 2 rank(s)" in out and "grads+Adam" in out
     assert "peak per rank" in out and "16.00 GiB available" in out and "fits" in out
+    # "fits" means the run starts: what lmppo ppo refuses before loading a model, the plan refuses too
+    assert run_cli("plan", str(run_files), "rollout.batch_size=16") == 2
+    assert "rollout.batch_size=16 is larger than the 8 prompts" in capsys.readouterr().err
 
 
 def test_a_run_that_cannot_fit_is_refused_before_loading_unless_forced(run_files, capsys, monkeypatch):

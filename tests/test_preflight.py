@@ -126,3 +126,12 @@ def test_lmppo_check_rm_reports_the_bias_and_a_run_logs_it_at_step_0(run_files, 
     assert saved["metrics"]["preflight/length_spearman"] > 0.5 and saved["examples"]["highest"]
     assert run_cli("diagnose", str(run_dir)) == 0
     assert "reward_bias" in capsys.readouterr().out
+
+
+def test_check_rm_reads_the_reward_whatever_the_update_settings(run_files, capsys):
+    """check-rm scores samples; a minibatch that a PPO step could not fill is the update's business."""
+    config = write_config(run_files, ppo={"minibatch_size": 64})
+    assert run_cli("check-rm", str(config)) == 0
+    assert "reward pre-flight" in capsys.readouterr().out
+    assert run_cli("ppo", str(config)) == 2  # the run refuses it, before loading a model
+    assert "ppo.minibatch_size=64 is larger than the 4 responses of a step" in capsys.readouterr().err

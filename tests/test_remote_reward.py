@@ -1,14 +1,11 @@
 """Rewards over HTTP: the client (reward.url) against servers started here on 127.0.0.1, and lmppo
 serve-rm's server against the same reward model scored in-process."""
 
-import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 import yaml
-from helpers import comparable, count_good, run_cli
+from helpers import comparable, fake_server, run_cli, serving
 
 from lmppo import remote_reward
 from lmppo.errors import LmppoError
@@ -18,38 +15,6 @@ from lmppo.scoring import RewardModelScorer
 
 PROMPTS = ["say good", [{"role": "user", "content": "say good twice"}], "hi"]
 RESPONSES = ["good", "good good", "no"]
-
-
-def serving(server: HTTPServer):
-    """Serve in a thread; returns the URL."""
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_port}/score"
-
-
-def fake_server(answers: list):
-    """A server answering each request with the next of ``answers``: (status, body) or a delay in s."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            answer = answers.pop(0) if answers else (200, {"rewards": count_good(None, request["responses"])})
-            if isinstance(answer, float):
-                time.sleep(answer)
-                answer = (200, {"rewards": [0.0] * len(request["responses"])})
-            status, body = answer
-            data = body if isinstance(body, bytes) else json.dumps(body).encode()
-            try:
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-            except BrokenPipeError:  # the client gave up waiting: what the timeout test wants
-                pass
-
-        def log_message(self, *args):
-            pass
-
-    return HTTPServer(("127.0.0.1", 0), Handler)
 
 
 def client(url, **kwargs):

@@ -203,3 +203,14 @@ def test_reward_components_get_a_panel_each(tmp_path):
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/rm_score": 0.1}) + "\n")
     report(run)
     assert not (run / "report" / "components.png").exists()  # a one-source run has none
+
+
+def test_the_report_names_the_reward_as_the_run_gives_it(full_run, tmp_path):
+    assert (
+        "Reward model vs gold judge: the RM score rising" in (full_run / "report" / "index.html").read_text()
+    )
+    run = tmp_path / "function"
+    write_metrics(run, ["reward/rm_score", "kl/ref"])
+    (run / CONFIG_FILE).write_text("reward:\n  function: my_rewards.py:score\n")
+    page = report(run).read_text()
+    assert "Reward vs gold judge: the reward rising" in page and "RM score" not in page

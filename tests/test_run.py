@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -226,12 +227,11 @@ def test_an_allowed_config_change_takes_effect_and_the_next_resume_accepts_it(ru
     assert "cannot change the policy" in capsys.readouterr().err
 
 
-def test_nan_reward_aborts_and_keeps_the_last_good_checkpoint(run_files, capsys):
+def test_a_reward_that_turns_nan_stops_its_step_naming_the_reward_before_any_update(run_files, capsys):
+    """A non-finite score is the reward's fault: the step stops with that cause before an update uses it
+    (no guard blaming the learning rate), and the last checkpoint is the one before."""
     config = write_config(
-        run_files,
-        reward={"function": "nan_reward:score"},
-        run={"steps": 5, "checkpoint_every": 1},
-        guards={"nonfinite_patience": 2},
+        run_files, reward={"function": "nan_reward:score"}, run={"steps": 5, "checkpoint_every": 1}
     )
     (run_files.parent / "nan_reward.py").write_text(
         "calls = 0\n"
@@ -242,24 +242,29 @@ def test_nan_reward_aborts_and_keeps_the_last_good_checkpoint(run_files, capsys)
     )
     sys.path.insert(0, str(run_files.parent))
     try:
-        assert run_cli("ppo", str(config)) == 3  # a guard abort: not bad input
+        assert run_cli("ppo", str(config)) == 2  # the reward's input error, not a guard's abort (3)
     finally:
         sys.path.remove(str(run_files.parent))
     err = capsys.readouterr().err
+    assert "reward function nan_reward:score scored 4 of 4 responses with a non-finite value" in err
+    assert "stopped in step 3" in err and "step-000002, is intact" in err and "learning rate" not in err
     run_dir = run_files.parent / "run"
-    assert "nonfinite" in err and "last known good" in err and "Diagnosis of the metrics so far" in err
-    aborted = latest_checkpoint(run_dir)
-    assert json.loads((aborted / "manifest.json").read_text())["tag"] == "aborted"
-    good = last_good_checkpoint(run_dir)
-    # Step 3 (first NaN) passed the guard within its patience of 2 but is not healthy: its checkpoint is
-    # tagged unhealthy, so the last good one is step 2; step 4 (second NaN in a row) fired.
-    assert good.name == "step-000002" and aborted.name == "step-000004"
-    assert (
-        json.loads((run_dir / "checkpoints" / "step-000003" / "manifest.json").read_text())["tag"]
-        == "unhealthy"
+    assert latest_checkpoint(run_dir).name == "step-000002"
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2]
+
+
+def test_a_reward_that_is_nan_from_the_start_is_refused_by_the_preflight_and_nothing_is_written(
+    run_files, capsys
+):
+    (run_files.parent / "nan_reward.py").write_text(
+        "def score(prompts, responses):\n    return [float('inf') if i == 1 else 1.0 for i in range(len(responses))]\n"
     )
-    weights = load_checkpoint(good).tensors["policy"]  # NaN updates were skipped, never applied
-    assert all(torch.isfinite(t).all() for t in weights.values())
+    config = write_config(run_files, reward={"function": f"{run_files.parent / 'nan_reward.py'}:score"})
+    assert run_cli("ppo", str(config)) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"scored 1 of \d+ responses with a non-finite value, e\.g\. inf for prompt '", err)
+    assert "before step 1" in err and "nothing was written" in err
+    assert not (run_files.parent / "run").exists()
 
 
 def _start_run(config, env_extra=None):
@@ -388,8 +393,8 @@ def test_a_reward_function_that_raises_in_the_preflight_stops_before_anything_is
     assert run_cli("ppo", str(config)) == 2
     err = capsys.readouterr().err
     assert "raised ZeroDivisionError" in err and "broken.py" in err and "before step 1" in err
-    assert "nothing was saved" in err and "Traceback (most recent call last)" not in err
-    assert latest_checkpoint(run_files.parent / "run") is None
+    assert "nothing was written" in err and "Traceback (most recent call last)" not in err
+    assert not (run_files.parent / "run").exists()  # not even its config.yaml: the directory is gone
     assert run_cli("ppo", str(run_files)) == 0  # fixed (here: the original reward), the same run starts
 
 
@@ -488,5 +493,41 @@ def test_reward_components_are_logged_apart_and_their_normalisation_resumes_exac
 def test_the_run_says_its_numerics_and_why(run_files):
     spec = resolve(load_config(run_files, ["run.precision=fp32"]), device="cpu")
     assert numerics_line(spec) == "precision fp32 on cpu: set by run.precision"
-    fast = resolve(load_config(run_files, ["run.fp32_matmul_precision=medium"]), device="cpu")
+    fast = resolve(
+        load_config(run_files, ["run.precision=auto", "run.fp32_matmul_precision=medium"]), device="cpu"
+    )
     assert "fp32 matmuls medium" in numerics_line(fast) and "run.precision=auto" in numerics_line(fast)
+
+
+def test_the_console_tells_each_stage_the_held_out_scores_and_where_the_results_are(run_files, capsys):
+    config = write_config(
+        run_files,
+        data={"eval_prompts": str(run_files.parent / "prompts.jsonl"), "eval_judge": GOOD_JUDGE},
+        run={"eval_every": 2, "precision": "auto"},
+    )
+    assert run_cli("ppo", str(config)) == 0
+    out = capsys.readouterr().out.splitlines()
+    stages = ["checking the memory plan", "loading the policy", "building the trainer", "reward pre-flight"]
+    assert all(any(line.startswith(stage) for line in out) for stage in stages), out
+    assert out[0].startswith("lmppo ppo: starting") and out[1].startswith(
+        "precision fp32 on cpu: run.precision=auto"
+    )
+    assert any(line.startswith("held-out at step 0: reward ") and "gold" in line for line in out)
+    assert any(line.startswith("held-out at step 2: reward ") for line in out)
+    assert out[-1].startswith(f"done: the trained policy is in {run_files.parent / 'run' / 'final'}")
+    assert max(len(line) for line in out if line.startswith("step ")) <= 80
+    assert run_cli("ppo", "--resume", str(run_files.parent / "run"), "run.steps=3") == 0
+    resumed = capsys.readouterr().out
+    assert "precision" not in resumed and "step 3/3" in resumed  # the advisory once per run directory
+
+
+def test_resuming_a_finished_run_says_so_and_writes_nothing(run_files, capsys):
+    assert run_cli("ppo", str(run_files)) == 0
+    run_dir = run_files.parent / "run"
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    capsys.readouterr()
+    assert run_cli("ppo", "--resume", str(run_dir)) == 0
+    err = capsys.readouterr().err
+    assert "has already trained all run.steps=2 steps" in err and "nothing to do" in err
+    assert f"lmppo ppo --resume {run_dir} run.steps=4" in err
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before

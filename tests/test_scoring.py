@@ -164,9 +164,17 @@ def test_reward_function_output_errors_name_the_function(user_rewards, spec, mes
         reward(["a", "b"], ["x", "y"])
 
 
-def test_reward_function_passes_non_finite_scores_to_the_guards(user_rewards):
-    scores = load_reward_function("user_rewards:nan")(["a", "b"], ["x", "y"])
-    assert torch.isfinite(scores).tolist() == [True, False]
+def test_a_non_finite_score_is_refused_naming_the_reward_the_rows_and_the_fix(user_rewards):
+    function = load_reward_function("user_rewards:nan")
+    assert torch.isfinite(function(["a", "b"], ["x", "y"])).tolist() == [True, False]  # as returned
+    reward = CombinedReward([ScoredComponent("reward", function, source="reward function user_rewards:nan")])
+    with pytest.raises(LmppoError) as refused:
+        reward(["say hi", "say bye"], ["hi", "bye"])  # training, the pre-flight and evaluation score so
+    assert str(refused.value).startswith(
+        "reward function user_rewards:nan scored 1 of 2 responses with a non-finite value, e.g. nan for "
+        "prompt 'say bye' and response 'bye'."
+    )
+    assert "fix the reward" in str(refused.value)
 
 
 def test_reward_function_from_a_file_path(tmp_path, monkeypatch):

@@ -56,8 +56,7 @@ class BestOfNTrainer(PPOTrainer):
             lag = self.policy_version - rollout.policy_version
             if update.policy_moved:
                 self.policy_version += 1
-            self.scheduler.step()
-            self.step_count += 1
+            self.end_step()
         metrics = self._step_metrics(estimates, update, self.kl_controller.value, lag, seconds)
         metrics = {k: v for k, v in metrics.items() if not k.startswith(NOT_LOGGED)}
         kept = estimates.rm_score[winners]

@@ -20,7 +20,15 @@ from lmppo.data import Prompt, PromptStream
 from lmppo.distributed import CommCounter, data_parallel, shard_models
 from lmppo.engines import SnapshotGenerator
 from lmppo.errors import LmppoError
-from lmppo.loading import DTYPES, freeze, load_causal_lm, load_reward_model, load_tokenizer, resolve_source
+from lmppo.loading import (
+    DTYPES,
+    freeze,
+    load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
+    resolve_source,
+    weight_files,
+)
 from lmppo.lora import inputs_left_to_autocast, make_reference, unwrap_model, with_lora, without_adapters
 from lmppo.models import (
     PPOModels,
@@ -30,6 +38,7 @@ from lmppo.models import (
     model_identity,
     trainable_parameters,
 )
+from lmppo.progress import phase, size
 from lmppo.quantize import offload
 from lmppo.remote_reward import RemoteReward
 from lmppo.resolve import RoleSpec, RunSpec
@@ -65,6 +74,7 @@ def load_reward_component(
     source: RewardComponent, role: RoleSpec, device: torch.device | str
 ) -> tuple[ScoredComponent, dict]:
     """One reward source, scored with its own tokenizer and chat template when learned, and its identity."""
+    model = None
     if source.url is not None:  # a reward server: its model is its own business
         scorer = RemoteReward(
             source.url,
@@ -72,14 +82,27 @@ def load_reward_component(
             timeout_s=source.url_timeout_s,
             retries=source.url_retries,
         )
-        identity = {"role": "reward", "url": source.url}
-        return ScoredComponent(source.name, scorer, source.weight, score_transform(source)), identity
-    if role.source is None:
+        identity, named = {"role": "reward", "url": source.url}, f"the reward server {source.url}"
+    elif role.source is None:
         scorer = load_reward_function(source.function)
-        identity = {"role": "reward", "function": source.function}
-        return ScoredComponent(source.name, scorer, source.weight, score_transform(source)), identity
-    tokenizer = load_tokenizer(role.source)
-    model = placed(load_reward_model(role.source), role, device)
+        identity, named = (
+            {"role": "reward", "function": source.function},
+            f"reward function {source.function}",
+        )
+    else:
+        scorer, model, identity = _reward_model_scorer(source, role, device)
+        named = f"reward model {role.source.path}"
+    transform = score_transform(source)
+    return ScoredComponent(source.name, scorer, source.weight, transform, model, named), identity
+
+
+def _reward_model_scorer(
+    source: RewardComponent, role: RoleSpec, device: torch.device | str
+) -> tuple[RewardModelScorer, nn.Module, dict]:
+    """A learned reward: its scorer (own tokenizer and template), the frozen model and its identity."""
+    with phase(f"loading the reward model: {on_disk(resolve_source(role.source))}"):
+        tokenizer = load_tokenizer(role.source)
+        model = placed(load_reward_model(role.source), role, device)
     scorer = RewardModelScorer(
         model,
         tokenizer,
@@ -95,7 +118,7 @@ def load_reward_component(
         tokenizer=tokenizer,
         chat_template=role.source.chat_template,
     ).to_dict()
-    return ScoredComponent(source.name, scorer, source.weight, score_transform(source), model), identity
+    return scorer, model, identity
 
 
 def load_reward(
@@ -154,6 +177,18 @@ def placed(model: nn.Module, role: RoleSpec, device: torch.device | str) -> nn.M
     return offload(model, role.source.offload, torch.device(device))
 
 
+def on_disk(source) -> str:
+    """A model's files and their size, for the console (size first: a narrow terminal cuts the end)."""
+    return f"{size(sum(f.stat().st_size for f in weight_files(source)))} from {source}"
+
+
+def reference_origin(role: RoleSpec) -> str:
+    """Where the reference's weights come from, for the console."""
+    if role.source is not None:
+        return f": {on_disk(resolve_source(role.source))}"
+    return " (the policy with its adapters off)" if role.shares else " (a frozen copy of the policy)"
+
+
 def load_models(cfg: Config, spec: RunSpec) -> PPOModels:
     """Policy (+ LoRA), reference, reward (model or function) and critic as ``spec`` describes them, with
     identity records.
@@ -162,11 +197,16 @@ def load_models(cfg: Config, spec: RunSpec) -> PPOModels:
     """
     device = spec.device
     policy_source = resolve_source(spec.policy.source)
-    tokenizer = load_tokenizer(spec.policy.source)
-    policy = load_policy(spec.policy, device)
-    reference = load_reference(spec.reference, policy, device)
+    with phase(f"loading the policy: {on_disk(policy_source)}"):
+        tokenizer = load_tokenizer(spec.policy.source)
+        policy = load_policy(spec.policy, device)
+    with phase(f"loading the reference{reference_origin(spec.reference)}"):
+        reference = load_reference(spec.reference, policy, device)
     reward = load_reward(cfg.reward, spec.rewards, device)
-    value = load_value_model(spec.value, policy, reward, tokenizer, device) if spec.value else None
+    value = None
+    if spec.value:
+        with phase(f"building the critic ({spec.value.note or 'a head on the policy'})"):
+            value = load_value_model(spec.value, policy, reward, tokenizer, device)
     if spec.precision == "bf16":  # every pass of these models runs under autocast
         inputs_left_to_autocast(policy, *([value] if value is not None else []))
     if cfg.ppo.gradient_checkpointing:
@@ -175,24 +215,25 @@ def load_models(cfg: Config, spec: RunSpec) -> PPOModels:
             enable_gradient_checkpointing(value)
     reference_source = resolve_source(spec.reference.source) if spec.reference.source else policy_source
     template = cfg.models.policy.chat_template
-    identities = {
-        "policy": model_identity(
-            "policy", policy, source=policy_source, tokenizer=tokenizer, chat_template=template
-        ).to_dict(),
-        "reference": model_identity(
-            "reference",
-            reference,
-            source=reference_source,
-            tokenizer=tokenizer,
-            chat_template=template,
-            shared_with=None if spec.reference.source else "policy",
-        ).to_dict(),
-        "reward": reward.identity,
-    }
-    if value is not None:  # a critic-free run records no critic
-        shared_with = "policy" if value.shared_trunk else None
-        identities["value"] = model_identity("value", value, shared_with=shared_with).to_dict()
-        identities["value"]["init_from"] = spec.value.init_from or "policy"
+    with phase("recording each model's identity (hashing its weight files)"):
+        identities = {
+            "policy": model_identity(
+                "policy", policy, source=policy_source, tokenizer=tokenizer, chat_template=template
+            ).to_dict(),
+            "reference": model_identity(
+                "reference",
+                reference,
+                source=reference_source,
+                tokenizer=tokenizer,
+                chat_template=template,
+                shared_with=None if spec.reference.source else "policy",
+            ).to_dict(),
+            "reward": reward.identity,
+        }
+        if value is not None:  # a critic-free run records no critic
+            shared_with = "policy" if value.shared_trunk else None
+            identities["value"] = model_identity("value", value, shared_with=shared_with).to_dict()
+            identities["value"]["init_from"] = spec.value.init_from or "policy"
     return PPOModels(policy, reference, value, tokenizer, reward.reward, identities)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from jinja2 import TemplateError
 
-from lmppo.errors import LmppoError
+from lmppo.errors import LmppoError, read_from
 
 Prompt = str | list[dict[str, str]]  # plain user text, or a list of chat messages
 
@@ -118,7 +118,7 @@ def _data_file(path: Path) -> Path:
             f"data file {path} is a directory; give the path of a JSONL file (one JSON object per line)"
         )
     if not path.is_file():
-        raise LmppoError(f"data file {path} does not exist")
+        raise LmppoError(f"data file {path} does not exist{read_from(path)}")
     return path
 
 
@@ -257,17 +257,19 @@ def _dataset_dir_rows(path: Path, split: str | None) -> list[tuple[str, dict[str
     return [(f"{path}, row {i + 1}", dict(row)) for i, row in enumerate(ds)]
 
 
-def prompt_of_row(row: dict[str, Any], where: str, key: str | None = None) -> Prompt:
-    """The prompt of one row: column ``key`` (``data.prompt_key``), else ``prompt`` or ``messages``; a
-    string or a list of messages. Errors name ``where`` and the columns the row has.
+def prompt_of_row(
+    row: dict[str, Any], where: str, key: str | None = None, knob: str = "data.prompt_key"
+) -> Prompt:
+    """The prompt of one row: column ``key``, else ``prompt`` or ``messages``; a string or a list of
+    messages. Errors name ``where``, the columns the row has and ``knob``, where the user sets ``key``.
 
     Messages are ``{"role", "content"}`` turns with string content and a role in :data:`ROLES`; the last
     one may not be the assistant's (the generation prompt would open a second assistant turn).
     """
     if key is not None and key not in row:
         raise LmppoError(
-            f"{where} has no column {key!r} (data.prompt_key); its columns are {sorted(row)}: set "
-            "data.prompt_key to the one holding the prompt text or messages"
+            f"{where} has no column {key!r} ({knob}); its columns are {sorted(row)}: set {knob} to the one "
+            "holding the prompt text or messages"
         )
     key = key or ("prompt" if "prompt" in row else "messages")
     prompt = row.get(key)
@@ -277,7 +279,7 @@ def prompt_of_row(row: dict[str, Any], where: str, key: str | None = None) -> Pr
         return _checked_messages(prompt, where, key)
     raise LmppoError(
         f"{where} has no prompt: each row needs a non-empty 'prompt' string or a 'messages' list of "
-        f"{{'role', 'content'}} turns, or data.prompt_key naming the column that holds one (its columns: "
+        f"{{'role', 'content'}} turns, or {knob} naming the column that holds one (its columns: "
         f"{sorted(row)})"
     )
 
@@ -301,18 +303,20 @@ def _checked_messages(messages: list, where: str, key: str) -> list[dict[str, st
 
 
 def load_located_prompts(
-    source: PromptSource, split: str | None = None, key: str | None = None
+    source: PromptSource, split: str | None = None, key: str | None = None, knob: str = "data.prompt_key"
 ) -> list[tuple[str, Prompt]]:
     """``(where, prompt)`` of every row: ``where`` names the file and line (or dataset row) for errors;
-    ``key`` is the column holding the prompt (``data.prompt_key``)."""
+    ``key`` is the column holding the prompt, set by ``knob`` (the config key, or ``lmppo init``'s flag)."""
     rows = _located_rows(source, split)
     if not rows:
         raise LmppoError(f"{_name(source)} holds no prompts")
-    return [(where, prompt_of_row(row, where, key)) for where, row in rows]
+    return [(where, prompt_of_row(row, where, key, knob)) for where, row in rows]
 
 
-def load_prompts(source: PromptSource, split: str | None = None, key: str | None = None) -> list[Prompt]:
-    return [prompt for _, prompt in load_located_prompts(source, split, key)]
+def load_prompts(
+    source: PromptSource, split: str | None = None, key: str | None = None, knob: str = "data.prompt_key"
+) -> list[Prompt]:
+    return [prompt for _, prompt in load_located_prompts(source, split, key, knob)]
 
 
 def _name(source: PromptSource) -> str:

@@ -14,6 +14,7 @@ None. ``lmppo diagnose RUN_DIR`` runs them all on any run directory, finished, a
 | entropy_collapse | entropy falls to a small share of its start | beta too low, no entropy term | raise `kl.beta`, a small `ppo.ent_coef` |
 | length_drift | responses run into max_new_tokens, or shrink to nothing | the reward pays for length (or brevity) | `reward.missing_eos_penalty`, a length-neutral reward, `rollout.max_new_tokens` |
 | stale_batches | clip fraction above ~0.3 | the batch is over-used or the data is stale | fewer `ppo.ppo_epochs`, lower `ppo.lr`, `rollout.max_rollout_age` |
+| nonfinite | NaN or infinite metrics, skipped updates | where they start: the reward, the critic, the update | a finite reward; lower learning rates; keep gradient clipping |
 | reward_bias | the pre-flight's reward correlates with length or with ending on EOS | the reward carries a length or truncation bias PPO will exploit | a length-balanced RM, `reward.missing_eos_penalty`, watch `response/length` |
 """
 
@@ -272,7 +273,58 @@ def reward_bias(records: Records, cfg: DiagnosisConfig) -> Finding | None:
     )
 
 
+# Where non-finite values start says what broke: the first family with a non-finite metric wins ...
+NONFINITE_CAUSES: tuple[tuple[Callable[[str], bool], str, str], ...] = (
+    (
+        lambda name: name == "reward/rm_score" or name.endswith("/raw"),
+        "the reward produced non-finite scores",
+        "make the reward return a finite number for every response",
+    ),
+    (
+        lambda name: name.startswith("value/"),
+        "the critic diverged: its predictions or its loss overflowed",
+        "a lower ppo.value_lr or ppo.vf_coef; reward.normalize or reward.clip; keep ppo.max_grad_norm set",
+    ),
+)
+# ... and where neither did: the policy's own update
+NONFINITE_IN_UPDATE = (
+    "the update overflowed: a learning rate too high, float16 overflow, or gradients without clipping",
+    "a lower ppo.lr; run.precision=bf16 or fp32; keep ppo.max_grad_norm set",
+)
+
+
+def nonfinite_cause(names: Sequence[str]) -> tuple[str, str]:
+    """(likely cause, fix) of non-finite values in the metrics ``names``: the guard and the rule say the same."""
+    for in_family, cause, fix in NONFINITE_CAUSES:
+        if any(in_family(name) for name in names):
+            return cause, fix
+    return NONFINITE_IN_UPDATE
+
+
+def nonfinite(records: Records, cfg: DiagnosisConfig) -> Finding | None:
+    """NaN or infinite metrics, or updates skipped for a non-finite gradient (``health/nonfinite``)."""
+    bad = [
+        (r["step"], sorted(k for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)))
+        for r in records
+        if r.get("health/nonfinite", 0) > 0
+        or any(isinstance(v, float) and not math.isfinite(v) for v in r.values())
+    ]
+    if not bad:
+        return None
+    (first, names), last = bad[0], bad[-1][0]
+    cause, fix = nonfinite_cause(names)
+    seen = ", ".join(names) or "health/nonfinite > 0"
+    return Finding(
+        "nonfinite",
+        (first, last),
+        f"non-finite values on {len(bad)} steps from step {first} ({seen})",
+        cause,
+        fix,
+    )
+
+
 RULES: tuple[Callable[[Records, DiagnosisConfig], Finding | None], ...] = (
+    nonfinite,
     over_optimisation,
     kl_explosion,
     reward_flat,

@@ -32,7 +32,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lmppo.errors import UserCodeError
+from lmppo.errors import LmppoError, UserCodeError
 from lmppo.models import decoder_layers
 from lmppo.quantize import on_device
 from lmppo.resolve import RoleSpec, RunSpec
@@ -135,22 +135,23 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
 
 @contextlib.contextmanager
 def failing_together(group: dist.ProcessGroup | None) -> Iterator[None]:
-    """Every rank runs the block; when the user's code (a reward function, a judge) raises on one rank,
-    every rank raises that error, naming the rank, instead of the others failing later in a collective as
-    if that rank were lost. Costs one small gather after the block (nothing alone). The block must hold
-    no collective, which a failing rank would leave the others waiting in."""
+    """Every rank runs the block; when it fails on one rank for the user's reason (their reward function
+    raised, or scored NaN), every rank raises that error, naming the rank, instead of the others failing
+    later in a collective as if that rank were lost. Costs one small gather after the block (nothing
+    alone). The block must hold no collective, which a failing rank would leave the others waiting in."""
     failure = None
     try:
         yield
-    except UserCodeError as err:
+    except LmppoError as err:
         if group is None:
             raise
-        failure = str(err)
+        failure = (type(err) is UserCodeError, str(err))
     if group is None:
         return
-    for rank, message in enumerate(gather_objects(failure, group)):
-        if message is not None:
-            raise UserCodeError(f"on rank {rank}: {message}")
+    for rank, failed in enumerate(gather_objects(failure, group)):
+        if failed is not None:
+            user_code, message = failed
+            raise (UserCodeError if user_code else LmppoError)(f"on rank {rank}: {message}")
 
 
 def barrier(group: dist.ProcessGroup | None) -> None:

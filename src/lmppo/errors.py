@@ -35,6 +35,22 @@ def user_code_error(what: str, err: BaseException) -> UserCodeError:
     )
 
 
+def read_from(path) -> str:
+    """Where a relative ``path`` was looked for, for a message (empty for an absolute one): paths in a
+    config and on the command line are read from the working directory."""
+    from pathlib import Path
+
+    if Path(path).expanduser().is_absolute():
+        return ""
+    return f" in {Path.cwd()} (a relative path is read from the working directory)"
+
+
+def with_context(err: LmppoError, context: str) -> LmppoError:
+    """``err`` (same class, same exit code) with a line saying where it happened and what was kept."""
+    err.args = (f"{err}\n--- {context}",)
+    return err
+
+
 class GuardAbort(LmppoError):
     """A guard (lmppo.guards) stopped the run after saving an ``aborted`` checkpoint. It exits with 3, so a
     job scheduler tells a run that watched itself fail from bad input (2) and does not requeue it as is."""

@@ -37,6 +37,7 @@ from lmppo.distributed import all_sum, failing_together, gather_objects, gathere
 from lmppo.errors import LmppoError, user_code_error
 from lmppo.loading import load_causal_lm, load_tokenizer
 from lmppo.models import autocast, eval_mode
+from lmppo.progress import advance
 from lmppo.resolve import frozen_policy_source, resolve
 from lmppo.rollout import Generator, HFGenerator, Rollout, sequence_logprobs
 from lmppo.scoring import RewardFunction, load_function
@@ -53,9 +54,9 @@ ROW_METRICS = {
     "length": "eval/response/length",
     "eos": "eval/response/eos_frac",
 }
-# (metric, column label) of the comparison table; "{baseline}" and "{judge}" are filled in.
+# (metric, column label) of the comparison table; "{baseline}", "{judge}" and "{score}" are filled in.
 SUMMARY_COLUMNS = (
-    ("eval/reward/rm_score", "RM score"),
+    ("eval/reward/rm_score", "{score}"),
     ("eval/gold_score", "gold score"),
     ("eval/win_rate", "win rate vs {baseline} ({judge})"),
     ("eval/kl/ref", "KL to ref"),
@@ -114,6 +115,7 @@ def evaluate_policy(
     with _seeded_rng(seed, policy), failing_together(group):  # a judge failing on one rank stops all
         for start in range(0, len(prompts), batch_size):
             end = start + batch_size
+            advance("prompts", min(end, len(prompts)), len(prompts))
             rollout = generator.generate(prompts[start:end], 0, sample_ids[start:end])
             rows += _measure(rollout, reward_fn, policy, reference, gold_fn)
     for row, name in zip(rows, slices or ()):
@@ -264,12 +266,15 @@ def win_rate(scores_a: Sequence[float], scores_b: Sequence[float]) -> float:
     return wins / len(scores_a)
 
 
-def compare_policies(results: dict[str, EvalResult], baseline: str | None = None) -> dict:
-    """The comparison table's data: ``{"baseline", "judge", "policies": {name: {metric: value}}}``.
+def compare_policies(
+    results: dict[str, EvalResult], baseline: str | None = None, score: str = "RM score"
+) -> dict:
+    """The comparison table's data: ``{"baseline", "judge", "score", "policies": {name: {metric: value}}}``.
 
     Every policy must have been evaluated on the same prompts in the same order. ``eval/win_rate`` of
     each non-baseline policy is against ``baseline`` (default: the first, e.g. SFT), judged by the gold
-    judge when every result has gold scores, else by the reward model (``judge`` says which).
+    judge when every result has gold scores, else by the run's reward (``judge`` says which). ``score``
+    is that reward's name in the table: "RM score" for a reward model, "reward" for a function or a URL.
     """
     if not results:
         raise ValueError("compare_policies needs at least one EvalResult")
@@ -289,13 +294,15 @@ def compare_policies(results: dict[str, EvalResult], baseline: str | None = None
             )
         key = f"{judge}_score"
         policies[name]["eval/win_rate"] = win_rate([r[key] for r in result.rows], [r[key] for r in base.rows])
-    return {"baseline": baseline, "judge": judge, "policies": policies}
+    return {"baseline": baseline, "judge": judge, "score": score, "policies": policies}
 
 
 def summary_columns(summary: dict) -> list[tuple[str, str]]:
     """(metric, label) of the columns at least one policy has a value for."""
     present = {metric for values in summary["policies"].values() for metric in values}
-    names = {"baseline": summary["baseline"], "judge": summary["judge"]}
+    score = summary.get("score", "RM score")  # an eval.json of before the reward's own words
+    judge = "gold" if summary["judge"] == "gold" else score
+    names = {"baseline": summary["baseline"], "judge": judge, "score": score}
     return [(metric, label.format(**names)) for metric, label in SUMMARY_COLUMNS if metric in present]
 
 
@@ -311,17 +318,17 @@ def summary_table(summary: dict) -> Table:
     return table
 
 
-def write_eval_json(run_dir: str | Path, results: dict[str, EvalResult], baseline: str | None = None) -> Path:
+def write_eval_json(
+    run_dir: str | Path, results: dict[str, EvalResult], baseline: str | None = None, score: str = "RM score"
+) -> dict:
     """Write ``RUN_DIR/eval.json``: ``{"summary": compare_policies(...), "policies": {name: EvalResult}}``
-    (the format is spelled out in :mod:`lmppo.report`, its reader)."""
-    record = {
-        "summary": compare_policies(results, baseline),
-        "policies": {name: result.to_dict() for name, result in results.items()},
-    }
+    (the format is spelled out in :mod:`lmppo.report`, its reader); returns the summary."""
+    summary = compare_policies(results, baseline, score)
+    record = {"summary": summary, "policies": {name: result.to_dict() for name, result in results.items()}}
     path = Path(run_dir) / EVAL_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
-    return path
+    return summary
 
 
 def run_engine(cfg, policy, tokenizer, dtype=None) -> Generator | None:
@@ -381,5 +388,4 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
             )
     if engine is not None:
         engine.close()
-    write_eval_json(run_dir, results, baseline="start")
-    return compare_policies(results, baseline="start")
+    return write_eval_json(run_dir, results, "start", "RM score" if cfg.reward.learned else "reward")

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lmppo.diagnose import nonfinite_cause
+
 
 @dataclass(frozen=True)
 class GuardViolation:
@@ -166,14 +168,14 @@ class Guards:
         if self.nonfinite_streak < patience:
             return None
         seen = ", ".join(names) or f"health/nonfinite = {_fmt(metrics['health/nonfinite'])}"
+        cause, fix = nonfinite_cause(names)
         return GuardViolation(
             "nonfinite",
             float(self.nonfinite_streak),
             float(patience),
             f"guard 'nonfinite' fired at step {step}: non-finite values in {self.nonfinite_streak} consecutive "
-            f"steps (guards.nonfinite_patience = {patience}); this step: {seen}. Usual causes: a learning rate "
-            "too high, float16 overflow, gradients without clipping; lower ppo.lr, use bfloat16 or float32, "
-            "keep ppo.max_grad_norm set.",
+            f"steps (guards.nonfinite_patience = {patience}); this step: {seen}. Likely cause: {cause}; "
+            f"change: {fix}.",
         )
 
     def _check_bounds(

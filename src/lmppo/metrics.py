@@ -21,10 +21,9 @@ from typing import Any, Self
 
 import torch
 import torch.distributed as dist
-from rich.progress import BarColumn, Progress, TextColumn
 
 from lmppo.distributed import collective_device
-from lmppo.errors import LmppoError, console
+from lmppo.errors import LmppoError
 
 METRIC_NAMES: dict[str, str] = {
     "reward/rm_score": "mean raw sequence score of the reward model (or reward function), before preprocessing",
@@ -397,80 +396,3 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# --------------------------------------------------------------------------------------------------
-# Progress display
-# --------------------------------------------------------------------------------------------------
-
-_SHOWN = (("reward/rm_score", "rm"), ("kl/ref", "kl"), ("kl/beta", "beta"), ("policy/clip_frac", "clip"))
-
-
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
-
-
-class ProgressDisplay:
-    """A live status line (rich) for the main process, or plain log lines when ``quiet``.
-
-    Shows step, ``reward/rm_score``, ``kl/ref``, ``kl/beta``, ``policy/clip_frac``, seconds per step
-    (``perf/step_s`` when given) and the ETA from the average step time so far. Quiet mode (chosen automatically when stdout is not a terminal) prints one line every
-    ``every`` steps (default: about 50 lines per run) and at the last step. Use as a context manager.
-    """
-
-    def __init__(
-        self,
-        total_steps: int,
-        quiet: bool = False,
-        start_step: int = 0,
-        every: int | None = None,
-        enabled: bool = True,
-    ) -> None:
-        self.total_steps, self.start_step, self.enabled = total_steps, start_step, enabled
-        self.console = console()
-        self.quiet = quiet or not self.console.is_terminal
-        self.every = every or max(1, round(total_steps / 50))
-        self._started = time.perf_counter()
-        self._progress: Progress | None = None
-
-    def status_line(self, step: int, metrics: Mapping[str, float]) -> str:
-        average_s = (time.perf_counter() - self._started) / max(step - self.start_step, 1)
-        step_s = metrics.get("perf/step_s", average_s)
-        shown = [f"{label} {metrics[name]:.4g}" for name, label in _SHOWN if name in metrics]
-        eta = _clock(average_s * (self.total_steps - step))
-        return " | ".join([f"step {step}/{self.total_steps}", *shown, f"{step_s:.2f} s/step", f"ETA {eta}"])
-
-    def update(self, step: int, metrics: Mapping[str, float]) -> None:
-        if not self.enabled:
-            return
-        line = self.status_line(step, metrics)
-        if self._progress is not None:
-            self._progress.update(self._task, completed=step, description=line)
-        elif step % self.every == 0 or step == self.total_steps:
-            print(line, flush=True)
-
-    def note(self, text: str) -> None:
-        """A line of its own above the live display (between the log lines when quiet)."""
-        if not self.enabled:
-            return
-        if self._progress is not None:
-            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
-        else:
-            print(text, flush=True)
-
-    def __enter__(self) -> Self:
-        self._started = time.perf_counter()
-        if self.enabled and not self.quiet:
-            self._progress = Progress(BarColumn(), TextColumn("{task.description}"), console=self.console)
-            self._task = self._progress.add_task(
-                "starting", total=self.total_steps, completed=self.start_step
-            )
-            self._progress.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None

@@ -27,8 +27,9 @@ from lmppo.errors import LmppoError
 from lmppo.loading import DTYPES, load_model_config, load_tokenizer, resolve_source, weight_files
 from lmppo.lora import with_lora
 from lmppo.models import make_value_model
+from lmppo.progress import size
 from lmppo.quantize import QUANTIZED_BYTES, quantizable_linears
-from lmppo.resolve import RoleSpec, RunSpec, frozen_sections, resolve
+from lmppo.resolve import RoleSpec, RunSpec, check_batches, frozen_sections, resolve
 from lmppo.rollout import prompt_room
 
 GIB = 2**30
@@ -623,9 +624,10 @@ def count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
 
 
-def size(n: int) -> str:
-    """Bytes for people: MiB below a GiB, else GiB."""
-    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+def check_startable(cfg: Config) -> None:
+    """What ``lmppo ppo`` refuses before it loads a model, besides memory: the batch sizes against the
+    prompts (:func:`lmppo.resolve.check_batches`), so a plan that says "fits" is a run that starts."""
+    check_batches(cfg, len(load_prompts(cfg.data.prompts, cfg.data.split, cfg.data.prompt_key)))
 
 
 def plan_report(plan: MemoryPlan) -> Group:

@@ -22,7 +22,7 @@ from lmppo.config import QuickstartConfig, TrainingStage, apply_override, valida
 from lmppo.data import read_jsonl
 from lmppo.errors import GuardAbort, LmppoError
 from lmppo.errors import console as make_console
-from lmppo.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table, write_eval_json
+from lmppo.evaluate import EvalResult, evaluate_policy, summary_table, write_eval_json
 from lmppo.loading import load_causal_lm, load_tokenizer
 from lmppo.models import PPOModels
 from lmppo.report import report
@@ -190,8 +190,7 @@ def run_quickstart(
             "SFT": evaluate(sft_policy, sft_policy, scorer),  # the reference is the SFT policy itself
             "PPO": evaluate(ppo_policy, sft_policy, scorer),
         }
-        write_eval_json(run_dir, results, baseline="SFT")
-    summary = compare_policies(results, baseline="SFT")
+        summary = write_eval_json(run_dir, results, baseline="SFT")
     console.print("[5/6] held-out evaluation")
     console.print(summary_table(summary))
 

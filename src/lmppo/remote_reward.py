@@ -65,7 +65,7 @@ class RemoteReward:
         raise LmppoError(
             f"reward.url {self.url} did not answer ({failure}) in {self.retries + 1} tries of at most "
             f"{self.timeout_s:g} s each; start the server (`lmppo serve-rm MODEL --port PORT`) or fix the URL, "
-            "or raise reward.url_timeout_s / reward.url_retries. The run's last checkpoint is intact."
+            "or raise reward.url_timeout_s / reward.url_retries."
         )
 
     def _scores(self, body: bytes, rows: int) -> list[float]:

@@ -6,7 +6,7 @@ Reads, from ``RUN_DIR``:
 - ``config.yaml`` (optional): the resolved config, shown in a collapsed block;
 - ``eval.json`` (optional, written by :func:`lmppo.evaluate.write_eval_json`)::
 
-      {"summary":  {"baseline": "sft", "judge": "gold" | "rm",
+      {"summary":  {"baseline": "sft", "judge": "gold" | "rm", "score": "RM score" | "reward",
                     "policies": {name: {"eval/reward/rm_score": float, "eval/win_rate": float, ...}}},
        "policies": {name: {"metrics": {"eval/...": float},
                            "slices":  {slice: {"n": int, "eval/...": float}},
@@ -37,8 +37,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from matplotlib.figure import Figure
 
+from lmppo.config import RewardConfig
 from lmppo.diagnose import Finding, diagnose, run_thresholds
 from lmppo.errors import LmppoError
 from lmppo.evaluate import EVAL_FILE, summary_columns
@@ -61,16 +63,25 @@ class Panel:
     metrics: tuple[str, ...]
 
 
-# figure name -> (caption, panels)
+SCORES = "scores"
+
+
+def score_curves(learned: bool) -> tuple[str, tuple[Panel, ...]]:
+    """The scores figure, in the words of the run's reward: a reward model's "RM score", else "reward"."""
+    score = "RM score" if learned else "reward"
+    caption = (
+        f"{'Reward model' if learned else 'Reward'} vs gold judge: the {score} rising while the gold score "
+        "stalls or falls is reward hacking."
+    )
+    return caption, (
+        Panel(f"{score} (training, held-out)", ("reward/rm_score", "eval/reward/rm_score")),
+        Panel("gold score (hidden judge)", ("eval/gold_score",)),
+        Panel("held-out demo perplexity (alignment tax)", ("eval/demo_ppl",)),
+    )
+
+
+# figure name -> (caption, panels); the scores figure first, in the run's own words (score_curves)
 CURVES: dict[str, tuple[str, tuple[Panel, ...]]] = {
-    "scores": (
-        "Reward model vs gold judge: RM score rising while the gold score stalls or falls is reward hacking.",
-        (
-            Panel("reward-model score", ("reward/rm_score", "eval/reward/rm_score")),
-            Panel("gold score (hidden judge)", ("eval/gold_score",)),
-            Panel("held-out demo perplexity (alignment tax)", ("eval/demo_ppl",)),
-        ),
-    ),
     "kl": (
         "KL to the reference (nats per sequence) and the KL coefficient.",
         (Panel("KL(policy || reference)", ("kl/ref", "eval/kl/ref")), Panel("beta", ("kl/beta",))),
@@ -100,7 +111,6 @@ COMPONENTS = "components"  # one panel per reward component, when the run has se
 RM_ACCURACY = "rm_accuracy"
 EVAL_SLICES = "eval_slices"
 OVEROPTIMISATION = "overoptimisation"
-HELD_OUT_SCORES = (("eval/gold_score", "held-out judge score"), ("eval/reward/rm_score", "held-out RM score"))
 LINE_STYLES = ("-", "--", ":")
 
 
@@ -139,18 +149,19 @@ def report(run_dir: str | Path, compare: Sequence[str | Path] = ()) -> Path:
     runs = _load_runs([run_dir, *map(Path, compare)])
     out = run_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
-    for name in [*CURVES, COMPONENTS, RM_ACCURACY, EVAL_SLICES, OVEROPTIMISATION]:
+    for name in [SCORES, *CURVES, COMPONENTS, RM_ACCURACY, EVAL_SLICES, OVEROPTIMISATION]:
         (out / f"{name}.png").unlink(missing_ok=True)  # a figure this run no longer has must not linger
 
     evaluation = _read_json(run_dir / EVAL_FILE)
     rm_eval = _read_json(run_dir / RM_EVAL_FILE)
     preflight = _read_json(run_dir / PREFLIGHT_FILE)
     config = run_dir / CONFIG_FILE
+    learned = _learned_reward(config)
     sections = [_diagnosis_section(diagnose(runs[0][1], run_thresholds(run_dir)))]
     if evaluation:
         sections.append(_evaluation_section(evaluation, out))
-    sections.append(_curves_section(runs, out))
-    if _plot_overoptimisation(out / f"{OVEROPTIMISATION}.png", runs):
+    sections.append(_curves_section(runs, out, learned))
+    if _plot_overoptimisation(out / f"{OVEROPTIMISATION}.png", runs, learned):
         caption = (
             "held-out scores against sqrt(KL to the reference) at each evaluation: under over-optimisation "
             "the judge's score rises, then falls while KL grows (Gao et al. 2022); the star is the best "
@@ -168,6 +179,12 @@ def report(run_dir: str | Path, compare: Sequence[str | Path] = ()) -> Path:
     index = out / INDEX_FILE
     index.write_text(_page(title, runs, sections))
     return index
+
+
+def _learned_reward(config: Path) -> bool:
+    """Whether the run's reward is a reward model's (its ``config.yaml``; a run without one: assumed so)."""
+    section = (yaml.safe_load(config.read_text()) or {}).get("reward") if config.is_file() else None
+    return RewardConfig.model_validate(section).learned if section else True
 
 
 def _load_runs(run_dirs: Sequence[Path]) -> list[tuple[str, list[dict]]]:
@@ -194,10 +211,14 @@ def _series(records: Sequence[dict], metric: str) -> tuple[list[int], list[float
 # --------------------------------------------------------------------------------------------------
 
 
-def _curves_section(runs: list[tuple[str, list[dict]]], out: Path) -> str:
+def _curves_section(runs: list[tuple[str, list[dict]]], out: Path, learned: bool) -> str:
     figures = [
         _figure_html(out / f"{name}.png", caption)
-        for name, (caption, panels) in {**CURVES, **_component_curves(runs[0][1])}.items()
+        for name, (caption, panels) in {
+            SCORES: score_curves(learned),
+            **CURVES,
+            **_component_curves(runs[0][1]),
+        }.items()
         if _plot_curves(out / f"{name}.png", panels, runs)
     ]
     return "<h2>Training curves</h2>" + ("".join(figures) or "<p>No known metrics logged yet.</p>")
@@ -368,9 +389,13 @@ def _plot_curves(path: Path, panels: Sequence[Panel], runs: list[tuple[str, list
     return True
 
 
-def _plot_overoptimisation(path: Path, runs: list[tuple[str, list[dict]]]) -> bool:
+def _plot_overoptimisation(path: Path, runs: list[tuple[str, list[dict]]], learned: bool) -> bool:
     """Each held-out score against sqrt(eval/kl/ref), one colour per run, the best point starred;
     returns False (and writes nothing) when no run evaluated KL and a score together."""
+    scores = (
+        ("eval/gold_score", "held-out judge score"),
+        ("eval/reward/rm_score", f"held-out {'RM score' if learned else 'reward'}"),
+    )
 
     def points(records, metric):
         return [
@@ -382,7 +407,7 @@ def _plot_overoptimisation(path: Path, runs: list[tuple[str, list[dict]]]) -> bo
             and math.isfinite(r["eval/kl/ref"])
         ]
 
-    present = [(m, t) for m, t in HELD_OUT_SCORES if any(points(records, m) for _, records in runs)]
+    present = [(m, t) for m, t in scores if any(points(records, m) for _, records in runs)]
     if not present:
         return False
     fig = Figure(figsize=(4.5 * len(present), 3.4), layout="constrained")

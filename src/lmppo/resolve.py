@@ -310,6 +310,39 @@ def check_distributed(cfg: Config, world_size: int) -> None:
             )
 
 
+def check_batches(cfg: Config, prompt_count: int) -> None:
+    """A step's prompts within the prompt set, a minibatch within a step's responses: every problem in
+    one error, with sizes that fix all of them at once."""
+    r, minibatch = cfg.rollout, cfg.ppo.minibatch_size
+    problems = []
+    if r.batch_size > prompt_count:
+        problems.append(
+            f"rollout.batch_size={r.batch_size} is larger than the {prompt_count} prompts of data.prompts"
+        )
+    if minibatch > r.responses_per_step:
+        problems.append(
+            f"ppo.minibatch_size={minibatch} is larger than the {r.responses_per_step} responses of a step "
+            f"(rollout.batch_size={r.batch_size} x rollout.samples_per_prompt={r.samples_per_prompt})"
+        )
+    if problems:
+        batch, minibatch = fitted_batches(cfg, prompt_count)
+        raise LmppoError(
+            f"{'; and '.join(problems)}: set rollout.batch_size={batch} ppo.minibatch_size={minibatch}, or give "
+            "more prompts"
+        )
+
+
+def fitted_batches(cfg: Config, prompt_count: int) -> tuple[int, int]:
+    """``(rollout.batch_size, ppo.minibatch_size)``: the config's, shrunk to ``prompt_count`` prompts and
+    to what a step samples (at least two minibatches when the minibatch had to shrink)."""
+    batch = min(cfg.rollout.batch_size, prompt_count)
+    responses = batch * cfg.rollout.samples_per_prompt
+    minibatch = cfg.ppo.minibatch_size
+    if minibatch > responses:
+        minibatch = max(responses // 2, 1)
+    return batch, minibatch
+
+
 def frozen_sections(cfg: Config) -> list[tuple[str, ModelSource]]:
     """The frozen models' own sections, by config key: the reference and each reward model."""
     sections = [("models.reference", cfg.models.reference)]

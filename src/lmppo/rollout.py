@@ -36,6 +36,7 @@ from lmppo.distributed import gather_objects
 from lmppo.errors import LmppoError, warn
 from lmppo.lora import lora_merged, unwrap_model
 from lmppo.models import ValueModel, checkpointed_layers, checkpointing, eval_mode
+from lmppo.progress import advance
 
 # --------------------------------------------------------------------------------------------------
 # The rollout batch
@@ -791,6 +792,7 @@ class HFGenerator:
         position = positions[:, -1:]
         tokens, logps = [], []
         for step in range(self.max_new_tokens):
+            advance("token", step + 1, self.max_new_tokens)
             token, logp = self._draw(logits, rng)
             token = token.masked_fill(finished, self.pad_token_id)
             tokens.append(token)

@@ -35,7 +35,7 @@ from lmppo.checkpoint import (
     load_intact_checkpoint,
 )
 from lmppo.config import Config, load_config
-from lmppo.data import load_demonstrations, load_located_prompts, prompt_slices
+from lmppo.data import Prompt, load_demonstrations, load_located_prompts, prompt_slices
 from lmppo.diagnose import LiveDiagnosis
 from lmppo.distributed import (
     DistInfo,
@@ -48,14 +48,15 @@ from lmppo.distributed import (
     seed_everything,
     whole_group,
 )
-from lmppo.errors import GuardAbort, Interrupted, LmppoError, UserCodeError, warn
+from lmppo.errors import GuardAbort, Interrupted, LmppoError, console, warn, with_context
 from lmppo.evaluate import run_evaluator
 from lmppo.guards import Guards, held_out_score
-from lmppo.metrics import METRICS_FILE, MetricsLogger, ProgressDisplay, read_metrics, reduce_metrics
+from lmppo.metrics import METRICS_FILE, MetricsLogger, read_metrics, reduce_metrics
 from lmppo.models import PPOModels, keep_freed_heap_memory
 from lmppo.plan import MemoryPlan, check_plan
 from lmppo.preflight import Preflight, run_preflight, summary_line, write_preflight_json
-from lmppo.resolve import RunSpec, policy_role, resolve, resolve_device
+from lmppo.progress import ProgressDisplay, advance, phase
+from lmppo.resolve import RunSpec, check_batches, policy_role, resolve, resolve_device
 from lmppo.sft import sft_batch
 from lmppo.trainer_state import apply_changed_settings, load_state_payload, save_trainer_checkpoint
 
@@ -155,19 +156,48 @@ def _train(
     with owning(Path(cfg.run.output_dir), dist_info):
         checkpoint = _checkpoint_to_resume(Path(cfg.run.output_dir), resume, dist_info)
         barrier(dist_info.group)  # every rank has looked for a checkpoint before rank 0 writes the first one
-        plan = check_plan(cfg, spec, force)  # no OOM an hour in
-        run = PPORun(cfg, spec, dist_info, plan, evaluator_factory)
-        run.on_step = on_step if dist_info.is_main else None
-        try:
-            if checkpoint is not None:
-                run.resume(checkpoint, allow_config_change)
-            run_dir = run.run()
-            barrier(dist_info.group)  # every rank done before a vLLM engine's shutdown tears the group down
-        except BaseException:
-            run.trainer.close(abandon=True)  # another rank may be gone: nothing that waits for it
-            raise
-        run.trainer.close()
-        return run_dir
+        if checkpoint is not None and finished(checkpoint, cfg):
+            if dist_info.is_main:
+                console(stderr=True).print(finished_note(cfg), soft_wrap=True, highlight=False)
+            return Path(cfg.run.output_dir)
+        with ProgressDisplay(
+            cfg.run.steps,
+            quiet=cfg.logging.quiet,
+            start_step=checkpoint.step if checkpoint else 0,
+            enabled=dist_info.is_main,
+            reward_label="rm" if cfg.reward.learned else "reward",
+        ) as progress:
+            if checkpoint is None:  # an advisory once per run directory, not at every resume
+                progress.note(numerics_line(spec))
+            with phase("checking the memory plan"):
+                plan = check_plan(cfg, spec, force)  # no OOM an hour in
+            run = PPORun(cfg, spec, dist_info, plan, evaluator_factory, progress)
+            run.on_step = on_step if dist_info.is_main else None
+            try:
+                if checkpoint is not None:
+                    run.resume(checkpoint, allow_config_change)
+                run_dir = run.run()
+                # every rank done before a vLLM engine's shutdown tears the group down
+                barrier(dist_info.group)
+            except BaseException:
+                run.trainer.close(abandon=True)  # another rank may be gone: nothing that waits for it
+                raise
+            run.trainer.close()
+            return run_dir
+
+
+def finished(checkpoint: Checkpoint, cfg: Config) -> bool:
+    """Whether a resumed run has nothing left to do: every step trained and its policy exported."""
+    return checkpoint.step >= cfg.run.steps and (Path(cfg.run.output_dir) / "final").is_dir()
+
+
+def finished_note(cfg: Config) -> str:
+    run_dir, steps = cfg.run.output_dir, cfg.run.steps
+    return (
+        f"{run_dir} has already trained all run.steps={steps} steps (its policy is in {Path(run_dir) / 'final'}); "
+        f"nothing to do, nothing written. To train it further, raise run.steps: "
+        f"`lmppo ppo --resume {run_dir} run.steps={2 * steps}`"
+    )
 
 
 def numerics_line(spec: RunSpec) -> str:
@@ -208,31 +238,30 @@ class PPORun:
         spec: RunSpec,
         dist_info: DistInfo,
         plan: MemoryPlan,
-        evaluator_factory: Callable[[PPOModels], Evaluator] | None = None,
+        evaluator_factory: Callable[[PPOModels], Evaluator] | None,
+        progress: ProgressDisplay,
     ) -> None:
-        self.cfg, self.spec, self.dist_info = cfg, spec, dist_info
+        self.cfg, self.spec, self.dist_info, self.progress = cfg, spec, dist_info, progress
         self.run_dir, self.resumed = Path(cfg.run.output_dir), False
         self.on_step: Callable[[int, dict[str, float]], None] | None = None  # the Python API's callback
+        located_prompts = load_located_prompts(cfg.data.prompts, cfg.data.split, cfg.data.prompt_key)
+        self.prompts = [prompt for _, prompt in located_prompts]
+        check_batches(cfg, len(self.prompts))  # before the minutes of loading models
         seed_everything(cfg.run.seed)  # every rank builds the same models (fresh heads, LoRA adapters)
         self.models = models = load_models(cfg, spec)
         if spec.device.type == "cpu":  # after loading: what loading and quantizing free goes back at once
             keep_freed_heap_memory()  # no page faults on every step's large tensors
-        located_prompts = load_located_prompts(cfg.data.prompts, cfg.data.split, cfg.data.prompt_key)
-        self.prompts = [prompt for _, prompt in located_prompts]
-        self.trainer = build_trainer(
-            cfg,
-            spec,
-            models,
-            self.prompts,
-            ptx_batches=ptx_batches(cfg, models.tokenizer, spec.device, dist_info.rank),
-            group=dist_info.group,
-            rank=dist_info.rank,
-        )
-        for (
-            where,
-            prompt,
-        ) in located_prompts:  # a bad prompt is named by its file and line now, not at some step
-            self.trainer.generator.query_ids(prompt, where)
+        with phase("building the trainer and the rollout engine"):
+            self.trainer = build_trainer(
+                cfg,
+                spec,
+                models,
+                self.prompts,
+                ptx_batches=ptx_batches(cfg, models.tokenizer, spec.device, dist_info.rank),
+                group=dist_info.group,
+                rank=dist_info.rank,
+            )
+        self.check_prompts(located_prompts)
         # held-out evaluation and the pre-flight sample as training does: on a vLLM engine when it has one
         self.engine = self.trainer.generator if cfg.rollout.engine == "vllm" else None
         evaluator = evaluator_factory(models) if evaluator_factory else None
@@ -256,6 +285,15 @@ class PPORun:
             "memory_plan": {"peak_bytes": plan.peak, "available_bytes": plan.available, "fits": plan.fits},
         }
 
+    def check_prompts(self, located_prompts: list[tuple[str, Prompt]]) -> None:
+        """Every prompt rendered as the policy will see it: a bad one is named by its file and line now,
+        not at some step."""
+        with phase(f"rendering the {len(located_prompts)} prompts"):
+            for i, (where, prompt) in enumerate(located_prompts, start=1):
+                self.trainer.generator.query_ids(prompt, where)
+                if i % 100 == 0:
+                    advance("prompts", i, len(located_prompts))
+
     def resume(self, checkpoint: Checkpoint, allow_config_change: bool) -> None:
         """Continue from ``checkpoint``: the trainer's whole state, the guards' and the best step so far."""
         differences = check_compatible(
@@ -277,15 +315,16 @@ class PPORun:
         """Every rank calls it; rank 0 writes and gets the path. ``is_best``: this step has the best
         held-out score so far (``best`` points at it)."""
         extra = {"guards": self.guards.state_dict(), "best": self.best or None}
-        return save_trainer_checkpoint(
-            self.trainer,
-            self.run_dir,
-            extra,
-            manifest=self.manifest,
-            tag=tag,
-            keep_last=self.cfg.run.keep_last,
-            best=is_best,
-        )
+        with phase(f"saving the checkpoint of step {self.trainer.step_count}"):
+            return save_trainer_checkpoint(
+                self.trainer,
+                self.run_dir,
+                extra,
+                manifest=self.manifest,
+                tag=tag,
+                keep_last=self.cfg.run.keep_last,
+                best=is_best,
+            )
 
     def evaluate(self) -> dict[str, float]:
         """Held-out eval/* metrics of the current policy, global (in its own RNG stream: the training
@@ -313,33 +352,49 @@ class PPORun:
                 dist_info.rank, dist_info.world_size, dist_info.group, self.engine,
             )  # fmt: skip
 
-    def start(self) -> tuple[dict[str, float], Preflight | None]:
+    def start(self) -> dict[str, float]:
         """Step 0 of a new run: the starting policy's evaluation and reward pre-flight, what every later
         record is read against, saved as the first last-known-good checkpoint."""
         start: dict[str, float] = {}
         try:
-            start.update(self.evaluate() if self.evaluator else {})
-            preflight = self.reward_preflight() if self.cfg.diagnosis.preflight_batches else None
-        except UserCodeError as err:  # nothing was trained or saved yet
-            raise UserCodeError(
-                f"{err}\n--- the run stopped before step 1, scoring the starting policy's samples (the "
-                "reward pre-flight or the first evaluation); nothing was saved: fix the code and start the run again"
+            if self.evaluator:
+                with phase("evaluating the starting policy on the held-out prompts"):
+                    start.update(self.evaluate())
+                self.progress.note(held_out_line(0, start, self.progress.reward_label))
+            preflight = None
+            if self.cfg.diagnosis.preflight_batches:
+                with phase("reward pre-flight: scoring the starting policy's samples"):
+                    preflight = self.reward_preflight()
+                self.progress.note(summary_line(preflight))
+        except (GuardAbort, Interrupted):
+            raise
+        except LmppoError as err:  # nothing is written before these checks pass
+            raise with_context(
+                err,
+                "the run stopped before step 1, scoring the starting policy's samples (the reward pre-flight "
+                f"or the first evaluation); nothing was written to {self.run_dir}: fix it and start the run again",
             ) from None
         if preflight is not None:
             start.update(preflight.metrics)
-            if self.dist_info.is_main:
+        if self.dist_info.is_main:
+            self.write_config()
+            if preflight is not None:
                 write_preflight_json(self.run_dir, preflight)
         self.guards.start(start)
         self.save("ok", is_best=self.improves_best(start))
-        return start, preflight
+        return start
+
+    def write_config(self) -> None:
+        """``config.yaml``: the settings the run goes on with, for the next plain ``--resume``."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
 
     def run(self) -> Path:
         """Step 0 (a new run), the PPO steps, the end; returns the run directory."""
         cfg, trainer, is_main = self.cfg, self.trainer, self.dist_info.is_main
-        if is_main:  # the settings the run goes on with, for the next plain --resume
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
-        start, preflight = ({}, None) if self.resumed else self.start()
+        if self.resumed and is_main:
+            self.write_config()
+        start = {} if self.resumed else self.start()
         with (
             StopOnSignal() as self.stop,  # outermost: a signal during the other exits only sets its flag
             MetricsLogger(
@@ -350,19 +405,14 @@ class PPORun:
                 config=self.manifest["config"],
                 resume_step=trainer.step_count if self.resumed else None,
             ) as self.logger,
-            ProgressDisplay(
-                cfg.run.steps, quiet=cfg.logging.quiet, start_step=trainer.step_count, enabled=is_main
-            ) as self.progress,
         ):
             earlier = (
                 read_metrics(self.run_dir) if self.resumed and (self.run_dir / METRICS_FILE).is_file() else []
             )
             self.live = LiveDiagnosis(cfg.diagnosis, [r for r in earlier if r["step"] <= trainer.step_count])
-            self.progress.note(numerics_line(self.spec))
-            if preflight is not None:
-                self.progress.note(summary_line(preflight))
             if start:
                 self.log(0, start)
+            self.progress.begin_steps(trainer.step_count)
             improved = False
             while trainer.step_count < cfg.run.steps:
                 improved = self.after_step(self.step())
@@ -372,24 +422,32 @@ class PPORun:
         """One PPO step, its evaluation when due, its metrics reduced over the ranks and logged."""
         trainer = self.trainer
         try:
-            metrics = trainer.step()
-        except UserCodeError as err:  # nothing of the failed step was applied or saved
-            raise UserCodeError(
-                f"{err}\n--- the run stopped in step {trainer.step_count + 1}; its last checkpoint, "
-                f"{latest_checkpoint(self.run_dir)}, is intact: fix the code and continue with "
-                f"`lmppo ppo --resume {self.run_dir}`"
+            with phase(f"step {trainer.step_count + 1}/{self.cfg.run.steps}"):
+                metrics = trainer.step()
+        except (GuardAbort, Interrupted):
+            raise
+        except LmppoError as err:  # nothing of the failed step was saved
+            raise with_context(
+                err,
+                f"the run stopped in step {trainer.step_count + 1}; nothing of that step was saved and the last "
+                f"checkpoint, {latest_checkpoint(self.run_dir)}, is intact: fix it and continue with "
+                f"`lmppo ppo --resume {self.run_dir}`",
             ) from None
-        if self.evaluator and trainer.step_count % self.cfg.run.eval_every == 0:
-            metrics.update(self.evaluate())
+        evaluated = self.evaluator and trainer.step_count % self.cfg.run.eval_every == 0
+        if evaluated:
+            with phase(f"evaluating step {trainer.step_count} on the held-out prompts"):
+                metrics.update(self.evaluate())
         metrics = reduce_metrics(metrics, self.dist_info.group)
         self.log(trainer.step_count, metrics)
         self.progress.update(trainer.step_count, metrics)
+        if evaluated:
+            self.progress.note(held_out_line(trainer.step_count, metrics, self.progress.reward_label))
         return metrics
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record a step and show what the diagnosis rules newly find in the history so far."""
         self.logger.log(step, metrics)
-        if self.on_step is not None:
+        if self.on_step is not None and step > 0:  # step 0 is the starting policy, not a PPO step
             self.on_step(step, dict(metrics))
         for finding in self.live.add(step, metrics):
             self.progress.note(
@@ -431,9 +489,11 @@ class PPORun:
         cfg, models, is_main = self.cfg, self.models, self.dist_info.is_main
         policy = whole_policy(cfg, self.spec, models, is_main) if self.spec.sharded else models.policy
         if is_main:
-            export_final(self.run_dir / "final", policy, models.tokenizer, cfg)
+            with phase("exporting the final policy"):
+                export_final(self.run_dir / "final", policy, models.tokenizer, cfg)
             if self.best and self.best["step"] != self.trainer.step_count:  # the held-out best is earlier
                 self.export_best()
+            self.progress.note(finish_note(self.run_dir, self.best, self.trainer.step_count))
         barrier(
             self.dist_info.group
         )  # no rank leaves (and tears the group down) before the final model is written
@@ -442,6 +502,33 @@ class PPORun:
     def export_best(self) -> Path:
         """``best/``: the policy of the step with the best held-out score, from its checkpoint."""
         return export_best(self.run_dir, self.best, self.cfg, self.spec, self.models.tokenizer)
+
+
+def held_out_line(step: int, metrics: dict[str, float], reward_label: str) -> str:
+    """The held-out scores of one evaluation, for the console."""
+    shown = (
+        ("eval/reward/rm_score", reward_label),
+        ("eval/gold_score", "gold"),
+        ("eval/win_rate", "win rate"),
+        ("eval/kl/ref", "kl"),
+        ("eval/demo_ppl", "demo ppl"),
+    )
+    values = " · ".join(f"{label} {metrics[name]:.3g}" for name, label in shown if name in metrics)
+    return f"held-out at step {step}: {values}"
+
+
+def finish_note(run_dir: Path, best: dict, last_step: int) -> str:
+    """Where a finished run's results are (``best``: its best held-out step, if it evaluated any)."""
+    if not best:
+        kept = " (set data.eval_prompts to keep the best held-out policy in best/)"
+    elif best["step"] == last_step:
+        kept = ", the best held-out step too"
+    else:
+        kept = f"; the best held-out policy (step {best['step']}) is in {run_dir / 'best'}"
+    return (
+        f"done: the trained policy is in {run_dir / 'final'}{kept}. Next: `lmppo report {run_dir}`, "
+        f"`lmppo diagnose {run_dir}`"
+    )
 
 
 def guard_abort(

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmppo.core import masked_mean, masked_var
 from lmppo.data import Prompt, as_messages, encode_chat, render_chat
-from lmppo.errors import LmppoError, user_code_error, warn
+from lmppo.errors import LmppoError, read_from, user_code_error, warn
 from lmppo.models import ValueModel, eval_mode
 from lmppo.rollout import token_budget_groups
 
@@ -143,11 +143,8 @@ class RewardModelScorer:
 
 
 class ProgrammaticReward:
-    """A user function ``(prompts, responses) -> one float per row``, with its output's type and length checked.
-
-    NaN / inf scores are not refused here: like a reward model's, they reach ``health/nonfinite`` and the
-    ``nonfinite_patience`` guard, which aborts the run with a checkpoint and names the last good one.
-    """
+    """A user function ``(prompts, responses) -> one float per row``, with its output's type and length
+    checked (a non-finite score is refused by :meth:`CombinedReward.raw_scores`, as any source's)."""
 
     def __init__(self, function, name: str) -> None:
         self.function, self.name = function, name
@@ -167,7 +164,7 @@ class ProgrammaticReward:
             raise LmppoError(
                 f"reward function {self.name} returned {scores.numel()} scores for {len(responses)} responses."
             )
-        return scores  # non-finite scores pass on: the trainer counts them and the nonfinite guard decides
+        return scores
 
 
 # Functions handed to the Python API (lmppo.train(reward=fn)): the config names them "python:NAME"
@@ -222,9 +219,7 @@ def _import_module(name: str, spec: str, what: str):
 def _import_file(path: str, spec: str, what: str):
     file = Path(path).expanduser()
     if not file.is_file():
-        raise LmppoError(
-            f"{what} {spec!r}: no file {file.resolve()} (a relative path starts at the working directory)."
-        )
+        raise LmppoError(f"{what} {spec!r}: no file {file}{read_from(file)}.")
     name = f"lmppo_user_{file.stem}_{hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:8]}"
     if name not in sys.modules:  # import once: the module may build tables at import time
         module_spec = importlib.util.spec_from_file_location(name, file)
@@ -325,6 +320,37 @@ class ScoredComponent:
     weight: float = 1.0
     transform: ScoreTransform = field(default_factory=ScoreTransform)
     model: torch.nn.Module | None = None
+    source: str = ""  # what the user named, for errors: "reward function f.py:score", "reward model DIR", ...
+
+    def checked_scores(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> torch.Tensor:
+        """(B,) float32 raw scores; a non-finite one is the reward's fault and stops here, before any
+        advantage, update or statistic is computed from it."""
+        scores = self.score(prompts, responses).float()
+        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+        if bad:
+            raise NonFiniteReward(self.source or f"reward {self.name}", scores, bad, prompts, responses)
+        return scores
+
+
+class NonFiniteReward(LmppoError):
+    """A reward source scored some responses NaN or infinite: named with the rows, their prompts and texts."""
+
+    def __init__(self, source: str, scores, bad: list[int], prompts, responses) -> None:
+        shown = "; ".join(
+            f"{scores[i].item()} for prompt {_clipped(prompts[i])} and response {_clipped(responses[i])}"
+            for i in bad[:2]
+        )
+        super().__init__(
+            f"{source} scored {len(bad)} of {len(responses)} responses with a non-finite value, e.g. {shown}. "
+            "A reward must be a finite number for every response, or the advantages and the update turn to "
+            "NaN: fix the reward (give a response it cannot judge a low finite score)"
+        )
+
+
+def _clipped(text, width: int = 40) -> str:
+    """A prompt or response for an error message: repr'd, cut to ``width`` characters."""
+    text = repr(text)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 class CombinedReward:
@@ -353,7 +379,7 @@ class CombinedReward:
 
     def raw_scores(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> dict[str, torch.Tensor]:
         """name -> (B,) float32 raw scores, each component on its own rendering of the texts."""
-        return {c.name: c.score(prompts, responses).float() for c in self.components}
+        return {c.name: c.checked_scores(prompts, responses) for c in self.components}
 
     def weighted(self, scores: dict[str, torch.Tensor]) -> torch.Tensor:
         """(B,) weighted sum of per-component scores."""

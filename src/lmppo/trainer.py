@@ -10,6 +10,7 @@ model) is :mod:`lmppo.run`. This module only orders the step and keeps its books
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import astuple, dataclass, fields
@@ -33,6 +34,7 @@ from lmppo.engines import RolloutsAhead
 from lmppo.errors import LmppoError
 from lmppo.metrics import timed
 from lmppo.models import PPOModels, autocast, trainable_parameters
+from lmppo.progress import advance, phase
 from lmppo.resolve import RunSpec
 from lmppo.rollout import Generator, Rollout, rank_micro_batches, sequence_logprobs, value_predictions
 from lmppo.scoring import CombinedReward
@@ -114,17 +116,22 @@ class PPOTrainer:
         with timed(seconds, "perf/step_s"):
             # 1. Rollout: sample responses with the current policy; refuse data older than allowed.
             trained_weights = None if self.spec.engine_owns_weights else self.policy
-            with timed(seconds, "perf/rollout_s"), self.autocast(), gathered(trained_weights):
+            with (
+                phase("generating"),
+                timed(seconds, "perf/rollout_s"),
+                self.autocast(),
+                gathered(trained_weights),
+            ):
                 rollout = self.collect_rollout()
             seconds["perf/generation_s"] = rollout.generation_s or seconds["perf/rollout_s"]
             lag = self.policy_version - rollout.policy_version
 
             # 2-3. Reward, stored passes, shaped rewards, GAE, whitening (filled into the rollout).
-            with timed(seconds, "perf/score_s"):
+            with phase("scoring"), timed(seconds, "perf/score_s"):
                 estimates = self.score_and_estimate(rollout)
 
             # 4. PPO epochs over shuffled minibatches; an engine with its own weights gets the new policy.
-            with timed(seconds, "perf/update_s"):
+            with phase("update"), timed(seconds, "perf/update_s"):
                 update = self.update(rollout, critic_only)
             if update.policy_moved:
                 self.policy_version += 1  # the policy changed: rollouts sampled before are one version older
@@ -133,9 +140,16 @@ class PPOTrainer:
             # 5. KL controller, fed the global mean per-sequence KL and stepped once per sample.
             beta = self.kl_controller.value
             self.kl_controller.update(estimates.kl_ref, n_steps=cfg.rollout.responses_per_step)
-            self.scheduler.step()
-            self.step_count += 1
+            self.end_step()
         return self._step_metrics(estimates, update, beta, lag, seconds)
+
+    def end_step(self) -> None:
+        """The learning-rate schedule and the step count move on: the schedule counts steps, also one whose
+        updates were all skipped (a non-finite gradient, no winner of best-of-n), where torch would warn."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            self.scheduler.step()
+        self.step_count += 1
 
     def _step_metrics(
         self, estimates: Estimates, update: UpdateResult, beta: float, lag: int, seconds: dict[str, float]
@@ -256,6 +270,7 @@ class PPOTrainer:
         local_minibatch = ppo.minibatch_size // self.world_size
         for _ in range(ppo.ppo_epochs):
             epochs_run += 1
+            advance("epoch", epochs_run, ppo.ppo_epochs)
             epoch_kl, epoch_updates = 0.0, 0
             for minibatch in rollout.minibatches(local_minibatch, self.shuffle_generator):
                 result = self.minibatch_update(minibatch, critic_only)
