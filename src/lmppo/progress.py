@@ -64,7 +64,7 @@ def _number(x: float, digits: int) -> str:
 
 
 def duration(seconds: float) -> str:
-    """A duration in at most six characters: 8.4s, 12m30s, 3h05m, 2d04h."""
+    """A duration in a few characters: 8.4s, 12m30s, 3h05m, 2d04h."""
     if seconds < 60:
         return f"{seconds:.2g}s" if seconds < 9.95 else f"{seconds:.0f}s"
     minutes, secs = divmod(round(seconds), 60)
