@@ -307,3 +307,21 @@ def test_trace_config_counts_where_the_config_is_read_before_step_1(run_files):
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[1:]}
     # resolve is entered twice: resolve() decides the run, check_batches() the batch against the prompts
     assert rows["resolve"][0] == "2" and int(rows["total"][1]) > int(rows["total"][0]) > 0
+
+
+@pytest.mark.slow
+def test_bench_reward_server_loads_one_server_and_checks_every_answer(tmp_path):
+    from helpers import REWARD_SPECIALS, REWARD_TEMPLATE, WORDS, build_tokenizer, llama_config
+    from transformers import LlamaForSequenceClassification
+
+    tokenizer = build_tokenizer(
+        REWARD_SPECIALS, WORDS, pad="[EOS]", eos="[EOS]", chat_template=REWARD_TEMPLATE
+    )
+    LlamaForSequenceClassification(llama_config(tokenizer, num_labels=1)).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    args = ["--rm", str(tmp_path / "rm"), "--seconds", "1", "--clients", "2", "--idle", "3", "--rows", "4"]
+    report = run_bench(BENCH.parent / "bench_reward_server.py", *args)
+    assert list(report["phases"]) == ["alone", "beside 3 idle connections"]
+    assert all(p["errors"] == 0 and p["requests_per_s"] > 0 for p in report["phases"].values())
+    assert all(p["exact_answers"] == 1.0 for p in report["phases"].values())  # whole requests, alone-grouped
+    assert report["server_peak_rss_mb"] > 0

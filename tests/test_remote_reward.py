@@ -1,6 +1,13 @@
-"""Rewards over HTTP: the client (reward.url) against servers started here on 127.0.0.1, and lmppo
-serve-rm's server against the same reward model scored in-process."""
+"""The reward.url client against servers on 127.0.0.1, polite and not: it never hangs past its deadline,
+never trains on numbers nobody computed for its responses, and retries only what a retry may mend."""
 
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -8,10 +15,10 @@ import yaml
 from helpers import comparable, fake_server, run_cli, serving
 
 from lmppo import remote_reward
+from lmppo.config import load_config
 from lmppo.errors import LmppoError
 from lmppo.metrics import read_metrics
-from lmppo.remote_reward import RemoteReward, reward_server
-from lmppo.scoring import RewardModelScorer
+from lmppo.remote_reward import RemoteReward
 
 PROMPTS = ["say good", [{"role": "user", "content": "say good twice"}], "hi"]
 RESPONSES = ["good", "good good", "no"]
@@ -26,6 +33,47 @@ def short_pauses(monkeypatch):
     monkeypatch.setattr(remote_reward, "FIRST_PAUSE_S", 0.01)
 
 
+def raw_server(answer):
+    """A server that reads each request whole, then lets ``answer(connection)`` write raw bytes (or
+    nothing, or slowly); returns its URL and the (head, JSON body) of each request it got."""
+    listening = socket.create_server(("127.0.0.1", 0))
+    requests = []
+
+    def handle(connection):
+        with connection:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += connection.recv(65536)
+            length = int(
+                next(
+                    line.split(b":")[1]
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+            )
+            body = head.split(b"\r\n\r\n", 1)[1]
+            while len(body) < length:
+                body += connection.recv(65536)
+            requests.append((head.split(b"\r\n\r\n")[0], json.loads(body)))
+            try:
+                answer(connection)
+            except OSError:  # the client gave up: what the deadline tests want
+                pass
+
+    def accept():
+        while True:
+            connection, _ = listening.accept()
+            threading.Thread(target=handle, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return f"http://127.0.0.1:{listening.getsockname()[1]}/score", requests
+
+
+def head(status="200 OK", length=None, extra=b""):
+    size = b"" if length is None else b"Content-Length: %d\r\n" % length
+    return b"HTTP/1.1 " + status.encode() + b"\r\n" + size + extra + b"\r\n"
+
+
 def test_the_client_batches_and_retries_what_failed_on_the_server_side():
     answers = [(503, b"busy"), (502, b"gateway")]  # the first request fails twice, then is answered
     scores = client(serving(fake_server(answers)))(PROMPTS, RESPONSES)
@@ -38,7 +86,15 @@ def test_the_client_batches_and_retries_what_failed_on_the_server_side():
         ((200, b"<html>"), "answered '<html>', not a JSON object"),
         ((200, {"scores": [1.0]}), "answered 1 rewards for 2 responses"),
         ((200, {"rewards": ["high", "low"]}), 'not a JSON object with "rewards"'),
+        ((200, {"rewards": [True, 1.0]}), "not a JSON object"),  # a boolean is no number here
+        ((200, b'{"rewards": [Infinity, 1.0]}'), "not a JSON object"),
+        ((200, b'{"rewards": [1e400, 1.0]}'), "not a JSON object"),
+        (
+            (200, b'{"rewards": [1' + b"0" * 400 + b", 1.0]}"),
+            "not a JSON object",
+        ),  # an int past float's range
         ((400, b"prompts missing"), "refused the request: HTTP 400 prompts missing"),
+        ((401, b"token"), "set its token in the environment variable LMPPO_REWARD_TOKEN"),
     ],
 )
 def test_a_malformed_or_refused_answer_is_an_error_naming_the_url(answer, message):
@@ -58,15 +114,77 @@ def test_an_unreachable_or_silent_server_is_an_error_after_the_retries_never_a_h
         client("http://127.0.0.1:9/score")(PROMPTS, RESPONSES)  # the discard port: nothing listens
 
 
-def test_serve_rm_scores_as_the_reward_model_does_in_process(tmp_path, make_reward_model, reward_tokenizer):
-    model = make_reward_model(reward_tokenizer)
-    model.save_pretrained(tmp_path / "rm")
-    reward_tokenizer.save_pretrained(tmp_path / "rm")
-    url = serving(reward_server(str(tmp_path / "rm"), "127.0.0.1", 0, batch_size=2))
-    local = RewardModelScorer(model, reward_tokenizer)(PROMPTS, RESPONSES)
-    assert client(url, batch_size=3)(PROMPTS, RESPONSES).tolist() == pytest.approx(local.tolist(), abs=1e-5)
-    openrlhf = client(url)._post({"query": ["say good good", "hi"], "responses": ["", ""]})
-    assert len(openrlhf) == 2  # OpenRLHF's request shape: full texts, scored as plain text
+@pytest.mark.parametrize("trickled", ["head", "body"])
+def test_a_server_trickling_its_answer_is_cut_at_the_deadline_of_the_whole_request(trickled):
+    """Each byte comes before any read would time out, so only a deadline for the whole request holds."""
+    answer = head(length=40) + b'{"rewards": [1.0, 2.0]}' + b" " * 17
+
+    def trickle(connection):
+        start = 0 if trickled == "head" else len(head(length=40))
+        connection.sendall(answer[:start])
+        for byte in answer[start:]:
+            connection.sendall(bytes([byte]))
+            time.sleep(0.1)
+
+    url, requests = raw_server(trickle)
+    started = time.monotonic()
+    with pytest.raises(LmppoError, match="no whole answer within reward.url_timeout_s=0.5 s"):
+        client(url, timeout_s=0.5, retries=1)(PROMPTS[:2], RESPONSES[:2])
+    assert time.monotonic() - started < 1.6 and len(requests) == 2  # 2 tries of 0.5 s, nothing more
+
+
+@pytest.mark.parametrize("status", ["301 Moved Permanently", "302 Found", "303 See Other", "307 Temporary"])
+def test_a_redirect_is_refused_never_followed(status):
+    elsewhere, asked = raw_server(lambda c: c.sendall(head(length=27) + b'{"rewards": [9.0, 9.0]}    '))
+    url, _ = raw_server(lambda c: c.sendall(head(status, 0, b"Location: " + elsewhere.encode() + b"\r\n")))
+    with pytest.raises(LmppoError, match=f"a redirect to '{elsewhere}'; lmppo follows none"):
+        client(url)(PROMPTS[:2], RESPONSES[:2])
+    assert asked == []  # the other server never saw a request, and its 9.0s were never taken
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        head(length=100) + b'{"rewards": [1.0',  # the connection closes mid-body
+        b"HTTP/1.1 two hundred OK\r\n\r\n",  # a bad status line
+        b"",  # closed before any answer
+    ],
+    ids=["closed mid-body", "bad status line", "closed at once"],
+)
+def test_a_broken_answer_is_retried_then_one_clear_error(broken):
+    url, requests = raw_server(lambda c: c.sendall(broken))
+    with pytest.raises(LmppoError, match=f"reward.url {url} did not answer .* in 3 tries"):
+        client(url)(PROMPTS[:2], RESPONSES[:2])
+    assert len(requests) == 3
+
+
+def test_an_answer_larger_than_its_rows_can_need_is_refused_without_reading_it_all():
+    url, _ = raw_server(lambda c: c.sendall(head(length=10**8) + b" " * 2**20))
+    with pytest.raises(LmppoError, match="answered more than 65536 bytes for 2 rows"):
+        client(url)(PROMPTS[:2], RESPONSES[:2])
+
+
+def test_no_proxy_from_the_environment_and_the_token_from_its_variable(monkeypatch):
+    url, requests = raw_server(lambda c: c.sendall(head(length=23) + b'{"rewards": [1.0, 2.0]}'))
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # a dead proxy: were it used, this would fail
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("MY_RM_TOKEN", "s3cret")
+    assert client(url, token_env="MY_RM_TOKEN")(PROMPTS[:2], RESPONSES[:2]).tolist() == [1.0, 2.0]
+    assert b"authorization: bearer s3cret" in requests[0][0].lower()
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("file:///etc/passwd", "is not an http(s) URL"),
+        ("ftp://host/score", "is not an http(s) URL"),
+        ("http://user:pw@127.0.0.1:8000/score", "holds credentials"),
+    ],
+)
+def test_only_plain_http_urls_without_credentials_are_a_reward_url(run_files, url, message):
+    with pytest.raises(LmppoError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        load_config(run_files, [f"reward={{url: '{url}'}}"])
+    assert "pw" not in str(err.value)  # never echoed
 
 
 def test_a_run_scored_over_http_takes_the_steps_of_the_same_function_in_process(run_files):
@@ -81,3 +199,41 @@ def test_a_run_scored_over_http_takes_the_steps_of_the_same_function_in_process(
         read_metrics(run_files.parent / "over_http"),
     )
     assert comparable(over_http) == comparable(in_process)
+
+
+@pytest.mark.slow
+def test_a_signal_while_a_request_hangs_stops_the_run_at_once_keeping_the_last_checkpoint(run_files):
+    """The server answers the pre-flight and step 1, then never again: SIGTERM during step 2's request
+    ends the run within seconds (not after url_timeout_s and its retries), with step 1's checkpoint."""
+    step_1 = run_files.parent / "run" / "checkpoints" / "step-000001"
+    hanging = []
+
+    def answer_then_hang(connection):
+        if step_1.exists():  # step 2's request: never answered
+            hanging.append(1)
+            time.sleep(600)
+        scores = json.dumps({"rewards": [1.0, 0.0]}).encode()
+        connection.sendall(head(length=len(scores)) + scores)
+
+    url, _ = raw_server(answer_then_hang)
+    config = yaml.safe_load(run_files.read_text())
+    config["reward"] = {"url": url, "batch_size": 2, "url_timeout_s": 300, "url_retries": 3}
+    config["run"].update(steps=5, checkpoint_every=1)
+    (run_files.parent / "hang.yaml").write_text(yaml.safe_dump(config))
+    run = subprocess.Popen(
+        [sys.executable, "-m", "lmppo", "ppo", str(run_files.parent / "hang.yaml"), "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    deadline = time.monotonic() + 120
+    while not hanging and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.1)
+    stopped_at = time.monotonic()
+    run.send_signal(signal.SIGTERM)
+    out, _ = run.communicate(timeout=60)
+    assert run.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert time.monotonic() - stopped_at < 10
+    assert "stopped at once" in out and "step-000001, is intact" in out and "Traceback" not in out
+    assert [r["step"] for r in read_metrics(run_files.parent / "run")] == [0, 1]

@@ -107,9 +107,10 @@ def test_reward_tokenizer_without_template(reward_tokenizer, make_reward_model):
     reward_tokenizer.chat_template = None
     with pytest.raises(LmppoError, match="no chat template"):
         RewardModelScorer(make_reward_model(reward_tokenizer), reward_tokenizer)
-    scorer = RewardModelScorer(make_reward_model(reward_tokenizer), reward_tokenizer, raw_text=True)
-    with pytest.raises(LmppoError, match="plain-text prompts"):
+    scorer = RewardModelScorer(make_reward_model(reward_tokenizer), reward_tokenizer, chats=False)
+    with pytest.raises(LmppoError, match="no chat template"):
         scorer([[{"role": "user", "content": "good"}]], ["bad"])
+    assert scorer.score_ids([scorer.render_query("[Q] good [A] bad [EOS]")]).shape == (1,)  # whole texts
 
 
 # --------------------------------------------------------------------------------------------------

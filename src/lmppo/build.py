@@ -81,6 +81,8 @@ def load_reward_component(
             batch_size=source.batch_size,
             timeout_s=source.url_timeout_s,
             retries=source.url_retries,
+            token_env=source.url_token_env,
+            proxy=source.url_proxy,
         )
         identity, named = {"role": "reward", "url": source.url}, f"the reward server {source.url}"
     elif role.source is None:

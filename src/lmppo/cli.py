@@ -333,28 +333,38 @@ def _asked(flag: str, what: str) -> str:
 def serve_rm(
     model: str = typer.Argument(..., help="A reward model: a transformers directory or a .gguf file."),
     port: int = typer.Option(8000, "--port", help="Port to listen on."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface; set a --token then)."
+    ),
     batch_size: int = typer.Option(16, "--batch-size", help="Rows per forward pass."),
     chat_template: Path | None = typer.Option(
         None, "--chat-template", help="A Jinja file overriding the tokenizer's chat template."
     ),
+    token: str | None = typer.Option(
+        None, "--token", envvar="LMPPO_REWARD_TOKEN", help="Bearer token every request must carry."
+    ),
+    max_rows: int = typer.Option(4096, "--max-rows", help="Rows one request may hold."),
+    max_body_mb: float = typer.Option(16.0, "--max-body-mb", help="Size one request's body may have, MiB."),
+    max_chars: int = typer.Option(200_000, "--max-chars", help="Characters one text may have."),
+    queue: int = typer.Option(256, "--queue", help="Requests that may wait for the model; more get 503."),
+    timeout_s: float = typer.Option(30.0, "--timeout-s", help="Seconds a request's body may take to arrive."),
 ) -> None:
-    """Serve a reward model over HTTP for `reward.url` (the wire format: docs/rewards.md)."""
-    from lmppo.remote_reward import reward_server
+    """Serve a reward model over HTTP for `reward.url` (the wire format and exposure: docs/rewards.md)."""
+    from lmppo.reward_server import Limits, require_serving_stack, serve
 
+    require_serving_stack()
     if chat_template is not None and not chat_template.is_file():
         raise LmppoError(f"--chat-template {chat_template}: no such file; give a Jinja template file")
-    template = chat_template.read_text() if chat_template else None
     _quiet_transformers_unless_verbose()
-    try:
-        server = reward_server(model, host, port, batch_size=batch_size, chat_template=template)
-    except OSError as err:
-        raise LmppoError(f"cannot listen on {host}:{port} ({err}); choose another --port") from None
-    console.print(f"scoring with {model} on http://{host}:{server.server_port}/ (reward.url); Ctrl-C stops")
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        server.server_close()
+    limits = Limits(
+        max_body_bytes=int(max_body_mb * 2**20),
+        max_rows=max_rows,
+        max_chars=max_chars,
+        queue=queue,
+        timeout_s=timeout_s,
+    )
+    template = chat_template.read_text() if chat_template else None
+    serve(model, host, port, batch_size=batch_size, chat_template=template, token=token, limits=limits)
 
 
 @app.command("check-rm")

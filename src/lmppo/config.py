@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import difflib
 import os
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -110,9 +111,25 @@ class RewardSource(Section):
         description="a reward server (`lmppo serve-rm`, or any speaking its JSON: docs/rewards.md): "
         "POSTed prompts and responses, answering one reward per response",
     )
-    url_timeout_s: float = Field(30.0, gt=0, description="reward.url: seconds to wait for each request")
+    url_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="reward.url: seconds a whole request may take (connect, send, the whole answer), however "
+        "slowly the server answers",
+    )
     url_retries: int = Field(
-        3, ge=0, description="reward.url: retries of a failed request, after pauses of 0.5, 1, 2, ... s"
+        3,
+        ge=0,
+        description="reward.url: retries of a request that failed in transit, timed out or got HTTP 5xx, after "
+        "pauses of 0.5, 1, 2, ... s",
+    )
+    url_token_env: str = Field(
+        "LMPPO_REWARD_TOKEN",
+        description="reward.url: the environment variable holding the server's bearer token (sent when set; "
+        "never written to a file)",
+    )
+    url_proxy: str | None = Field(
+        None, description="reward.url: an HTTP proxy to reach the server through (none unless set here)"
     )
     batch_size: int = Field(16, gt=0, description="rows per reward-model forward, function call or request")
     batch_tokens: int | None = Field(
@@ -129,6 +146,12 @@ class RewardSource(Section):
     clip: float | None = Field(None, gt=0, description="clip scores to [-clip, clip]")
     normalize: bool = Field(False, description="running mean/std normalisation of scores")
 
+    @model_validator(mode="after")
+    def _url_is_plain_http(self) -> RewardSource:
+        if self.url is not None:
+            check_reward_url(self.url)
+        return self
+
     @property
     def source_count(self) -> int:
         """How many of model, function and url are set (a source needs exactly one)."""
@@ -136,6 +159,24 @@ class RewardSource(Section):
 
 
 SOURCE_KEYS = tuple(RewardSource.model_fields)
+
+
+def check_reward_url(url: str) -> None:
+    """A reward server's URL: http or https to a host, with no credentials in it (they would be written to
+    config.yaml and every checkpoint's manifest, and echoed in errors)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"reward.url {url!r} is not an http(s) URL of a server; give one like http://host:8000/score"
+        )
+    if parts.username or parts.password:
+        raise ValueError(
+            "reward.url holds credentials (user:password@), which would be written to config.yaml and every "
+            "checkpoint: remove them and put the server's token in the environment variable "
+            "reward.url_token_env names (LMPPO_REWARD_TOKEN)"
+        )
 
 
 class RewardComponent(RewardSource):
@@ -828,11 +869,16 @@ def _origin(error: dict[str, Any], source: str, overrides: Sequence[str], overri
         loc = loc[:-1] or loc
     setting = [o for o in overrides if _is_prefix(_override_path(o), loc)]
     if setting:
-        return f"the override {setting[-1]} ({overrides_from})"
-    inside = [o for o in overrides if _is_prefix(loc, _override_path(o))]
+        return f"the override {_redacted(setting[-1])} ({overrides_from})"
+    inside = [_redacted(o) for o in overrides if _is_prefix(loc, _override_path(o))]
     if inside:
         return f"{source} with the override{'s' * (len(inside) > 1)} {', '.join(inside)} ({overrides_from})"
     return source
+
+
+def _redacted(override: str) -> str:
+    """An override as said back, with a URL's credentials (user:password@) hidden."""
+    return re.sub(r"(://)[^/@\s]+@", r"\1***@", override)
 
 
 def _is_prefix(head: list[str], path: list[str]) -> bool:

@@ -1,38 +1,65 @@
-"""Rewards over HTTP: ``reward.url`` (the client) and ``lmppo serve-rm`` (a reward model on a port).
-
-A reward model too large for the training GPU runs elsewhere, with its own tokenizer and chat template.
+"""Rewards over HTTP, the client: ``reward.url`` (the server, ``lmppo serve-rm``, is :mod:`lmppo.reward_server`).
 
 The wire format (docs/rewards.md): POST a JSON object ``{"prompts": [...], "responses": [...]}`` (a prompt
-is a string or a list of ``{"role", "content"}`` messages), answer ``{"rewards": [one float per row]}``.
-The server also takes OpenRLHF's remote-RM request, ``{"query": [full texts]}``, scored as plain text.
-The client sends ``reward.batch_size`` rows per request, waits at most ``reward.url_timeout_s`` for each,
-and retries a failed or timed-out request ``reward.url_retries`` times with doubling pauses: it never
-hangs, and what it cannot get is an error naming the URL.
+is a string or a list of ``{"role", "content"}`` messages), answer ``{"rewards": [one number per row]}``.
+
+A training run must neither hang on a server nor train on numbers nobody computed for its responses:
+- each request of at most ``reward.batch_size`` rows has one deadline, ``reward.url_timeout_s``, for all of
+  it (connect, send, the whole answer), however slowly a server trickles its bytes;
+- what a retry may mend (a connection refused or dropped, a bad status line, a timeout, HTTP 5xx) is tried
+  ``reward.url_retries`` more times after doubling pauses, then reported as one error naming the URL;
+- what it cannot is reported at once: a refusal (4xx), a redirect (a POST re-sent elsewhere as a GET would
+  score nothing of ours), an answer larger than its rows can need, or one that is not one finite real
+  number per row (booleans, ``Infinity`` and strings refused);
+- only http(s), no proxy unless ``reward.url_proxy`` names one (``http_proxy`` is not read), and the bearer
+  token only from the environment variable ``reward.url_token_env`` names, so no file holds it;
+- a SIGINT or SIGTERM while a request waits cancels it at once (:func:`lmppo.signals.interruptible`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
-import threading
+import math
+import os
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Sequence
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from collections.abc import Coroutine, Sequence
 
 import torch
 
 from lmppo.data import Prompt
 from lmppo.errors import LmppoError
+from lmppo.signals import interruptible
 
 FIRST_PAUSE_S = 0.5  # before the first retry; doubled before each next one
+ANSWER_BYTES_PER_ROW = 64  # a JSON number and its separator, with room to spare
+ANSWER_BYTES_MIN = 64 * 1024  # an error page or a short JSON answer
+
+
+class Retryable(Exception):
+    """A failure a second try may mend: the message says what happened."""
 
 
 class RemoteReward:
     """``(prompts, responses) -> (B,)`` scores from a reward server at ``url``."""
 
-    def __init__(self, url: str, *, batch_size: int, timeout_s: float, retries: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        batch_size: int,
+        timeout_s: float,
+        retries: int,
+        token_env: str = "LMPPO_REWARD_TOKEN",
+        proxy: str | None = None,
+    ) -> None:
         self.url, self.batch_size, self.timeout_s, self.retries = url, batch_size, timeout_s, retries
+        self.token_env, self.proxy = token_env, proxy
+        token = os.environ.get(token_env)
+        self.headers = {"Content-Type": "application/json"}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
 
     def __call__(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> torch.Tensor:
         scores: list[float] = []
@@ -42,108 +69,102 @@ class RemoteReward:
         return torch.tensor(scores, dtype=torch.float32)
 
     def _post(self, payload: dict) -> list[float]:
-        request = urllib.request.Request(
-            self.url, json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
-        )
+        """One batch's scores: asked again after what a retry may mend, refused at once otherwise."""
+        body, rows = json.dumps(payload).encode(), len(payload["responses"])
         failure = ""
         for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(FIRST_PAUSE_S * 2 ** (attempt - 1))
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
-                    body = answer.read()
-                return self._scores(body, len(payload["responses"]))
-            except urllib.error.HTTPError as err:
-                if err.code < 500:  # the server understood and refused: asking again changes nothing
-                    raise LmppoError(
-                        f"reward.url {self.url} refused the request: HTTP {err.code} "
-                        f"{err.read()[:300].decode(errors='replace')}"
-                    ) from None
-                failure = f"HTTP {err.code}"
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
-                failure = str(getattr(err, "reason", err))
+                with interruptible():  # a signal cuts the pause or the wait short
+                    if attempt:
+                        time.sleep(FIRST_PAUSE_S * 2 ** (attempt - 1))
+                    answer = run_coroutine(self._ask(body, rows))
+                return self._scores(answer, rows)
+            except Retryable as err:
+                failure = str(err)
         raise LmppoError(
             f"reward.url {self.url} did not answer ({failure}) in {self.retries + 1} tries of at most "
             f"{self.timeout_s:g} s each; start the server (`lmppo serve-rm MODEL --port PORT`) or fix the URL, "
-            "or raise reward.url_timeout_s / reward.url_retries."
+            "or raise reward.url_timeout_s / reward.url_retries"
         )
 
-    def _scores(self, body: bytes, rows: int) -> list[float]:
-        """The answer's scores, checked: a JSON object with one number per row."""
+    async def _ask(self, body: bytes, rows: int) -> bytes:
+        """The answer's body, within the deadline for the whole request; at most what ``rows`` can need."""
+        import httpx
+
+        cap = max(ANSWER_BYTES_MIN, ANSWER_BYTES_PER_ROW * rows)
         try:
-            answer = json.loads(body)
-        except json.JSONDecodeError:
+            async with (
+                asyncio.timeout(self.timeout_s),
+                httpx.AsyncClient(trust_env=False, proxy=self.proxy, timeout=None) as client,
+                client.stream("POST", self.url, content=body, headers=self.headers) as answer,
+            ):
+                await self._check_status(answer)
+                received = bytearray()
+                async for chunk in answer.aiter_bytes():
+                    received += chunk
+                    if len(received) > cap:
+                        raise LmppoError(
+                            f"reward.url {self.url} answered more than {cap} bytes for {rows} rows; a reward "
+                            "server answers one number per row (docs/rewards.md)"
+                        )
+                return bytes(received)
+        except TimeoutError:
+            raise Retryable(f"no whole answer within reward.url_timeout_s={self.timeout_s:g} s") from None
+        except httpx.TransportError as err:  # refused, dropped mid-answer, a bad status line, ...
+            raise Retryable(f"{type(err).__name__}: {err}" if str(err) else type(err).__name__) from None
+
+    async def _check_status(self, answer) -> None:
+        """2xx goes on; 5xx may be retried; a redirect or another refusal is an error at once."""
+        status = answer.status_code
+        if status < 300:
+            return
+        if status >= 500:
+            raise Retryable(f"HTTP {status}")
+        if status < 400:
+            raise LmppoError(
+                f"reward.url {self.url} answered HTTP {status}, a redirect to {answer.headers.get('location')!r}; "
+                "lmppo follows none (the POST would be re-sent elsewhere, or as a GET, and the rewards taken "
+                "from a server that never saw the responses): set reward.url to the server's own address"
+            )
+        text = (await answer.aread())[:300].decode(errors="replace")
+        hint = (
+            f": set its token in the environment variable {self.token_env} (reward.url_token_env)"
+            if status in (401, 403)
+            else ""
+        )
+        raise LmppoError(f"reward.url {self.url} refused the request: HTTP {status} {text}{hint}")
+
+    def _scores(self, body: bytes, rows: int) -> list[float]:
+        """The answer's scores, checked: a JSON object with one finite real number per row."""
+        try:
+            answer = json.loads(body, parse_constant=_refuse_constant, parse_int=float)  # 10**400 -> inf
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
             answer = None
         scores = answer.get("rewards", answer.get("scores")) if isinstance(answer, dict) else None
-        if not (isinstance(scores, list) and all(isinstance(s, int | float) for s in scores)):
+        numbers = isinstance(scores, list) and all(
+            isinstance(s, int | float) and not isinstance(s, bool) and math.isfinite(s) for s in scores
+        )
+        if not numbers:
             raise LmppoError(
                 f"reward.url {self.url} answered {body[:200].decode(errors='replace')!r}, not a JSON object with "
-                '"rewards": [one number per response]; see the wire format in docs/rewards.md'
+                '"rewards": [one finite number per response]; see the wire format in docs/rewards.md'
             )
         if len(scores) != rows:
             raise LmppoError(f"reward.url {self.url} answered {len(scores)} rewards for {rows} responses")
         return [float(s) for s in scores]
 
 
-# --------------------------------------------------------------------------------------------------
-# The server: lmppo serve-rm
-# --------------------------------------------------------------------------------------------------
+def _refuse_constant(name: str):
+    """JSON's non-standard ``NaN`` and ``Infinity`` are no reward."""
+    raise ValueError(f"{name} is not a number a reward can be")
 
 
-def reward_server(
-    model_path: str, host: str, port: int, *, batch_size: int, chat_template: str | None = None
-):
-    """An HTTP server scoring with the reward model at ``model_path`` (its own tokenizer and template);
-    call ``serve_forever()`` on it. One request is scored at a time."""
-    from lmppo.config import ModelSource
-    from lmppo.loading import load_reward_model, load_tokenizer
-    from lmppo.scoring import RewardModelScorer
-
-    source = ModelSource(path=model_path, chat_template=chat_template)
-    model, tokenizer = load_reward_model(source), load_tokenizer(source)
-    scorers = {
-        raw: RewardModelScorer(
-            model, tokenizer, chat_template=chat_template, raw_text=raw, batch_size=batch_size
-        )
-        for raw in (False, True)
-    }
-    lock = threading.Lock()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
-            try:
-                request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                prompts, responses, raw = _rows_of(request)
-                with lock:
-                    scores = scorers[raw](prompts, responses).tolist()
-            except (LmppoError, ValueError, KeyError, TypeError) as err:
-                return self._answer(400, {"error": str(err)})
-            self._answer(200, {"rewards": scores})  # NaN stays NaN: the run's nonfinite guard decides
-
-        def _answer(self, status: int, payload: dict) -> None:
-            body = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format, *args) -> None:  # noqa: A002 - one quiet line per request instead
-            pass
-
-    return HTTPServer((host, port), Handler)
-
-
-def _rows_of(request) -> tuple[list, list[str], bool]:
-    """``(prompts, responses, raw_text)`` of a request: lmppo's shape, or OpenRLHF's ``query`` texts."""
-    if not isinstance(request, dict):
-        raise ValueError('the request must be a JSON object: {"prompts": [...], "responses": [...]}')
-    if "query" in request:
-        queries = request["query"]
-        return list(queries), [""] * len(queries), True
-    prompts, responses = request["prompts"], request["responses"]
-    if len(prompts) != len(responses):
-        raise ValueError(
-            f"{len(prompts)} prompts and {len(responses)} responses; give one prompt per response"
-        )
-    return list(prompts), list(responses), False
+def run_coroutine(coroutine: Coroutine):
+    """Run ``coroutine`` to its end from synchronous code: here, or on a thread of its own when this
+    thread already runs an event loop (a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()

@@ -11,7 +11,6 @@ import json
 import os
 import random
 import signal
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -58,32 +57,10 @@ from lmppo.preflight import Preflight, run_preflight, summary_line, write_prefli
 from lmppo.progress import ProgressDisplay, advance, phase
 from lmppo.resolve import RunSpec, check_batches, policy_role, resolve, resolve_device
 from lmppo.sft import sft_batch
+from lmppo.signals import StopOnSignal, StopRequested
 from lmppo.trainer_state import apply_changed_settings, load_state_payload, save_trainer_checkpoint
 
 Evaluator = Callable[[], dict[str, float]]  # held-out eval/* metrics of the current policy
-
-
-class StopOnSignal:
-    """SIGINT / SIGTERM ask the loop to finish the current step, save and exit cleanly."""
-
-    def __init__(self) -> None:
-        self.requested: signal.Signals | None = None
-        self._previous: dict = {}
-
-    def __enter__(self) -> StopOnSignal:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum)
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def train(
@@ -160,30 +137,41 @@ def _train(
             if dist_info.is_main:
                 console(stderr=True).print(finished_note(cfg), soft_wrap=True, highlight=False)
             return Path(cfg.run.output_dir)
-        with ProgressDisplay(
-            cfg.run.steps,
-            quiet=cfg.logging.quiet,
-            start_step=checkpoint.step if checkpoint else 0,
-            enabled=dist_info.is_main,
-            reward_label="rm" if cfg.reward.learned else "reward",
-        ) as progress:
+        with (
+            StopOnSignal(immediate=True) as stop,  # until step 1 begins, nothing to finish or save
+            ProgressDisplay(
+                cfg.run.steps,
+                quiet=cfg.logging.quiet,
+                start_step=checkpoint.step if checkpoint else 0,
+                enabled=dist_info.is_main,
+                reward_label="rm" if cfg.reward.learned else "reward",
+            ) as progress,
+        ):
             if checkpoint is None:  # an advisory once per run directory, not at every resume
                 progress.note(numerics_line(spec))
-            with phase("checking the memory plan"):
-                plan = check_plan(cfg, spec, force)  # no OOM an hour in
-            run = PPORun(cfg, spec, dist_info, plan, evaluator_factory, progress)
-            run.on_step = on_step if dist_info.is_main else None
             try:
-                if checkpoint is not None:
-                    run.resume(checkpoint, allow_config_change)
-                run_dir = run.run()
-                # every rank done before a vLLM engine's shutdown tears the group down
-                barrier(dist_info.group)
-            except BaseException:
-                run.trainer.close(abandon=True)  # another rank may be gone: nothing that waits for it
-                raise
-            run.trainer.close()
-            return run_dir
+                with phase("checking the memory plan"):
+                    plan = check_plan(cfg, spec, force)  # no OOM an hour in
+                run = PPORun(cfg, spec, dist_info, plan, evaluator_factory, progress, stop)
+                run.on_step = on_step if dist_info.is_main else None
+                return run.run_to_end(checkpoint, allow_config_change)
+            except StopRequested as stopped:
+                raise stopped_at_once(stopped, Path(cfg.run.output_dir)) from None
+
+
+def stopped_at_once(stopped: StopRequested, run_dir: Path) -> Interrupted:
+    """What a signal that could not wait for the end of a step leaves: the last checkpoint, or nothing."""
+    latest = latest_checkpoint(run_dir)
+    kept = (
+        f"the last checkpoint, {latest}, is intact: continue with `lmppo ppo --resume {run_dir}`"
+        if latest
+        else f"nothing was written to {run_dir}: start the run again"
+    )
+    return Interrupted(
+        f"{stopped.signal.name}: stopped at once, while the run was starting or waiting on its reward "
+        f"server; nothing of the step in progress was saved, and {kept}",
+        stopped.signal.value,
+    )
 
 
 def finished(checkpoint: Checkpoint, cfg: Config) -> bool:
@@ -240,8 +228,10 @@ class PPORun:
         plan: MemoryPlan,
         evaluator_factory: Callable[[PPOModels], Evaluator] | None,
         progress: ProgressDisplay,
+        stop: StopOnSignal,
     ) -> None:
-        self.cfg, self.spec, self.dist_info, self.progress = cfg, spec, dist_info, progress
+        self.cfg, self.spec, self.dist_info = cfg, spec, dist_info
+        self.progress, self.stop = progress, stop
         self.run_dir, self.resumed = Path(cfg.run.output_dir), False
         self.on_step: Callable[[int, dict[str, float]], None] | None = None  # the Python API's callback
         located_prompts = load_located_prompts(cfg.data.prompts, cfg.data.split, cfg.data.prompt_key)
@@ -293,6 +283,19 @@ class PPORun:
                 self.trainer.generator.query_ids(prompt, where)
                 if i % 100 == 0:
                     advance("prompts", i, len(located_prompts))
+
+    def run_to_end(self, checkpoint: Checkpoint | None, allow_config_change: bool) -> Path:
+        """From ``checkpoint`` (None: a new run) to the end; the engine is shut down however it ends."""
+        try:
+            if checkpoint is not None:
+                self.resume(checkpoint, allow_config_change)
+            run_dir = self.run()
+            barrier(self.dist_info.group)  # every rank done before a vLLM engine's shutdown ends the group
+        except BaseException:
+            self.trainer.close(abandon=True)  # another rank may be gone: nothing that waits for it
+            raise
+        self.trainer.close()
+        return run_dir
 
     def resume(self, checkpoint: Checkpoint, allow_config_change: bool) -> None:
         """Continue from ``checkpoint``: the trainer's whole state, the guards' and the best step so far."""
@@ -395,17 +398,15 @@ class PPORun:
         if self.resumed and is_main:
             self.write_config()
         start = {} if self.resumed else self.start()
-        with (
-            StopOnSignal() as self.stop,  # outermost: a signal during the other exits only sets its flag
-            MetricsLogger(
-                self.run_dir,
-                cfg.logging.sinks,
-                is_main_process=is_main,
-                run_name=cfg.logging.run_name,
-                config=self.manifest["config"],
-                resume_step=trainer.step_count if self.resumed else None,
-            ) as self.logger,
-        ):
+        self.stop.immediate = False  # from here a signal finishes the step and saves it
+        with MetricsLogger(
+            self.run_dir,
+            cfg.logging.sinks,
+            is_main_process=is_main,
+            run_name=cfg.logging.run_name,
+            config=self.manifest["config"],
+            resume_step=trainer.step_count if self.resumed else None,
+        ) as self.logger:
             earlier = (
                 read_metrics(self.run_dir) if self.resumed and (self.run_dir / METRICS_FILE).is_file() else []
             )

@@ -12,6 +12,7 @@ import hashlib
 import importlib
 import importlib.util
 import math
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -60,9 +61,10 @@ def render_for_reward_model(
 class RewardModelScorer:
     """Scores (prompt, response text) pairs with a frozen reward model and its own tokenizer.
 
-    ``chat_template`` overrides the tokenizer's; ``raw_text=True`` scores ``prompt + response`` as
-    plain text (only for string prompts). Renderings longer than ``max_length`` (default: the model's
-    context window) keep their last tokens, where the score is read, with a warning.
+    ``chat_template`` overrides the tokenizer's; a tokenizer with neither is refused unless ``chats`` is
+    off (a server that scores whole texts only, :meth:`render_query`). Renderings longer than
+    ``max_length`` (default: the model's context window) keep their last tokens, where the score is read,
+    with a warning.
     """
 
     def __init__(
@@ -71,35 +73,49 @@ class RewardModelScorer:
         tokenizer: PreTrainedTokenizerBase,
         *,
         chat_template: str | None = None,
-        raw_text: bool = False,
+        chats: bool = True,
         max_length: int | None = None,
         batch_size: int = 16,
         batch_tokens: int | None = None,
     ) -> None:
-        if not raw_text and chat_template is None and not tokenizer.chat_template:
-            raise LmppoError(
-                "the reward model's tokenizer has no chat template: set `reward.model.chat_template` "
-                "(or build the scorer with raw_text=True to score prompt + response as plain text)."
-            )
+        self.tokenizer, self.chat_template = tokenizer, chat_template
+        if chats:
+            self._check_template()
         self.token_scores = ValueModel.from_reward_model(
             model, copy_weights=False
         )  # per-token scores, a view
-        self.tokenizer, self.chat_template, self.raw_text = tokenizer, chat_template, raw_text
         self.max_length = max_length or getattr(model.config, "max_position_embeddings", None)
         self.batch_size, self.batch_tokens = batch_size, batch_tokens
 
+    def _check_template(self) -> None:
+        if self.chat_template is None and not self.tokenizer.chat_template:
+            raise LmppoError(
+                "the reward model's tokenizer has no chat template: set `reward.model.chat_template` (or "
+                "`lmppo serve-rm --chat-template FILE`), or send it whole rendered texts (`query`)."
+            )
+
     def render(self, prompt: Prompt, response: str) -> list[int]:
-        if self.raw_text:
-            if not isinstance(prompt, str):
-                raise LmppoError("raw_text scoring needs plain-text prompts, got chat messages.")
-            # no template: the tokenizer adds its own BOS, and no text becomes a control token
-            return self.tokenizer(prompt + response, split_special_tokens=True).input_ids
+        """The conversation through the reward model's chat template; no text becomes a control token."""
+        self._check_template()
         messages = reward_model_messages(prompt, response)
         return encode_chat(self.tokenizer, messages, self.chat_template, add_generation_prompt=False)
 
+    def render_query(self, text: str) -> list[int]:
+        """A whole text the client rendered itself (OpenRLHF's remote reward model request), rendered as
+        OpenRLHF's server does: leading and trailing runs of EOS and pad tokens removed, one EOS appended,
+        tokenised with the tokenizer's own special tokens. The text's control tokens are its client's."""
+        eos, pad = self.tokenizer.eos_token, self.tokenizer.pad_token
+        if eos is None:
+            raise LmppoError("the reward model's tokenizer has no EOS token, which a `query` text ends with")
+        ends = "|".join(re.escape(token) for token in {eos, pad} if token)
+        return self.tokenizer(re.sub(f"^({ends})+|({ends})+$", "", text) + eos)["input_ids"]
+
     def __call__(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> torch.Tensor:
         """(B,) float32 scores on the CPU."""
-        rows = [self.render(p, r) for p, r in zip(prompts, responses, strict=True)]
+        return self.score_ids([self.render(p, r) for p, r in zip(prompts, responses, strict=True)])
+
+    def score_ids(self, rows: list[list[int]]) -> torch.Tensor:
+        """(B,) float32 scores of rendered rows on the CPU, in batches of rows or of a token budget."""
         too_long = sum(self.max_length is not None and len(ids) > self.max_length for ids in rows)
         if too_long:
             warn(f"{too_long} reward-model inputs exceed {self.max_length} tokens; keeping their last tokens")

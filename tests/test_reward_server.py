@@ -1,0 +1,197 @@
+"""lmppo serve-rm against careless and hostile peers on real sockets: idle and slow connections hold
+nothing, limits are refused with a JSON error, answers are the reward model's own, OpenRLHF's query texts
+score as the same conversation does."""
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from lmppo.remote_reward import RemoteReward
+from lmppo.reward_server import Batcher, Limits, RequestError, Rows, load_scorer, reward_app, uvicorn_server
+
+PROMPTS = ["tell me about the cat", [{"role": "user", "content": "write a short poem"}], "sad day"]
+RESPONSES = ["good good cat", "red sun and blue night", "it was a very happy day"]
+LIMITS = Limits(max_body_bytes=4096, max_rows=8, max_chars=200, queue=4, timeout_s=0.5, idle_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def saved_rm(tmp_path_factory):
+    from helpers import REWARD_SPECIALS, REWARD_TEMPLATE, WORDS, build_tokenizer, llama_config
+    from transformers import LlamaForSequenceClassification
+
+    tokenizer = build_tokenizer(
+        REWARD_SPECIALS, WORDS, pad="[EOS]", eos="[EOS]", chat_template=REWARD_TEMPLATE
+    )
+    folder = tmp_path_factory.mktemp("rm")
+    LlamaForSequenceClassification(llama_config(tokenizer, num_labels=1)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@contextmanager
+def running(saved_rm, limits=LIMITS, token=None, batch_size=2):
+    """serve-rm's app on uvicorn in a thread, on a free port of 127.0.0.1; yields (base URL, scorer)."""
+    scorer, identity = load_scorer(saved_rm, batch_size, None)
+    server = uvicorn_server(reward_app(scorer, identity, limits, token), limits)
+    listening = socket.create_server(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{listening.getsockname()[1]}", scorer
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def post(url, body: bytes | dict, **headers) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(url, content=content, headers=headers, timeout=10)
+
+
+def test_answers_are_the_reward_models_own_for_each_request_as_scored_alone(saved_rm):
+    with running(saved_rm) as (url, scorer):
+        over_http = RemoteReward(f"{url}/score", batch_size=2, timeout_s=10, retries=0)(PROMPTS, RESPONSES)
+        alone = [scorer(PROMPTS[i : i + 2], RESPONSES[i : i + 2]) for i in range(0, 3, 2)]  # the 2 requests
+        assert over_http.tolist() == [s for scores in alone for s in scores.tolist()]  # bit for bit
+        openrlhf = post(f"{url}/get_reward", {"prompts": PROMPTS, "responses": RESPONSES}).json()["rewards"]
+        assert openrlhf == scorer(PROMPTS, RESPONSES).tolist()  # OpenRLHF's path, one request of 3
+
+
+def test_a_query_text_scores_as_the_conversation_it_renders(saved_rm):
+    """OpenRLHF's client sends whole texts: ends of EOS/pad stripped, one EOS appended, special tokens
+    read as such (the text's client rendered them); the same conversation sent as rows scores the same."""
+    with running(saved_rm) as (url, scorer):
+        texts = [scorer.tokenizer.decode(scorer.render(p, r)) for p, r in zip(PROMPTS, RESPONSES)]
+        assert all(text.endswith("[EOS]") for text in texts)
+        as_rows = post(f"{url}/score", {"prompts": PROMPTS, "responses": RESPONSES}).json()["rewards"]
+        as_queries = post(f"{url}/score", {"query": texts}).json()["rewards"]
+        unended = post(f"{url}/score", {"query": [t.removesuffix("[EOS]") for t in texts]}).json()["rewards"]
+        assert as_queries == as_rows == unended  # EOS appended when missing, never doubled
+
+
+def test_idle_and_slow_peers_hold_nothing_and_are_cut_off(saved_rm):
+    with running(saved_rm) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]  # never send a byte
+        slow_body = socket.create_connection(("127.0.0.1", port))
+        slow_body.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{")  # then nothing
+        started = time.monotonic()
+        assert post(f"{url}/score", {"prompts": ["hi"], "responses": ["good"]}).status_code == 200
+        assert time.monotonic() - started < 2  # served beside them
+        assert b"408" in slow_body.recv(4096).split(b"\r\n")[0]  # the body's timeout, 0.5 s
+        time.sleep(0.7)
+        assert all(connection.recv(1) == b"" for connection in idle)  # closed after idle_s
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        (b"x" * 5000, 413, "larger than this server's limit of 4096 bytes"),
+        (b"{not json", 400, "not JSON"),
+        (b"[1, 2]", 400, "must be a JSON object"),
+        ({"prompts": "abc", "responses": ["a", "b", "c"]}, 400, '"prompts" must be a list'),
+        ({"prompts": {"a": 1}, "responses": ["a"]}, 400, '"prompts" must be a list'),
+        ({"prompts": ["a"], "responses": [1]}, 400, '"responses" must be a list of strings'),
+        ({"prompts": ["a", "b"], "responses": ["a"]}, 400, "2 prompts and 1 responses"),
+        ({"prompts": ["a"] * 9, "responses": ["a"] * 9}, 400, "at most 8 per request"),
+        ({"prompts": ["a"], "responses": ["good " * 50]}, 400, "at most 200"),
+        ({"query": "abc"}, 400, '"query" must be a list of strings'),
+        ({"responses": ["a"]}, 400, 'give "prompts" and "responses"'),
+    ],
+)
+def test_what_a_server_cannot_score_is_refused_with_a_json_error(saved_rm, body, status, message):
+    with running(saved_rm) as (url, _):
+        answer = post(f"{url}/score", body)
+        assert answer.status_code == status and message in answer.json()["error"]
+
+
+def test_a_declared_body_over_the_limit_is_refused_before_it_is_read(saved_rm):
+    with running(saved_rm) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as connection:
+            connection.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 209715200\r\n\r\n")
+            assert b" 413 " in connection.recv(4096).split(b"\r\n")[0]
+
+
+def test_the_token_health_and_unknown_paths(saved_rm, caplog):
+    caplog.set_level(logging.INFO, logger="lmppo.serve")
+    with running(saved_rm, token="s3cret") as (url, _):
+        rows = {"prompts": ["hi"], "responses": ["good"]}
+        assert post(f"{url}/score", rows).status_code == 401
+        assert post(f"{url}/score", rows, Authorization="Bearer wrong").status_code == 401
+        assert post(f"{url}/score", rows, Authorization="Bearer s3cret").status_code == 200
+        health = httpx.get(f"{url}/health", headers={"Authorization": "Bearer s3cret"}).json()
+        assert health["status"] == "ok" and health["model"]["weights_sha256"] and health["queue"] == 0
+        assert httpx.get(f"{url}/health").status_code == 401
+        lost = post(f"{url}/anything", rows, Authorization="Bearer s3cret")
+        assert lost.status_code == 404 and "POST /score or /get_reward" in lost.json()["error"]
+        assert httpx.get(f"{url}/score", headers={"Authorization": "Bearer s3cret"}).status_code == 405
+    lines = [r.getMessage() for r in caplog.records if r.name == "lmppo.serve"]
+    assert any(" POST /score 200 rows=1 " in line for line in lines) and any(
+        " 401 " in line for line in lines
+    )
+
+
+def test_a_full_queue_is_busy_and_a_small_request_waits_one_batch_behind_a_large_one(saved_rm):
+    scorer, _ = load_scorer(saved_rm, 4, None)
+    batches = []
+    score_ids = scorer.score_ids
+    scorer.score_ids = lambda rows: batches.append(len(rows)) or score_ids(rows)
+    large, small, third = Rows(["a"] * 7, ["good"] * 7), Rows(["hi"], ["bad"]), Rows(["b"], ["good"])
+
+    async def scenario():
+        batcher = Batcher(scorer, queue=2)
+        waiting = [asyncio.ensure_future(batcher.score(rows)) for rows in (large, small)]
+        await asyncio.sleep(0)  # both in line, no worker yet
+        with pytest.raises(RequestError, match="queue is full") as busy:
+            await batcher.score(third)
+        assert busy.value.status == 503
+        worker = asyncio.ensure_future(batcher.work())
+        small_done = await waiting[1]
+        batches_for_small = len(batches)
+        answers = [await waiting[0], small_done]
+        worker.cancel()
+        return answers, batches_for_small
+
+    (large_scores, small_scores), batches_for_small = asyncio.run(scenario())
+    assert batches == [4, 1, 3] and batches_for_small == 2  # the large one's batches, the small one between
+    assert large_scores == scorer(["a"] * 7, ["good"] * 7).tolist()  # grouped as alone: the same numbers
+    assert small_scores == scorer(["hi"], ["bad"]).tolist()
+
+
+def test_a_request_that_cannot_be_rendered_fails_alone(saved_rm):
+    """A prompt spelling the reward model's control token is refused; the request beside it is scored."""
+    scorer, _ = load_scorer(saved_rm, 4, None)
+
+    async def scenario():
+        batcher = Batcher(scorer, 2)
+        worker = asyncio.ensure_future(batcher.work())
+        answers = await asyncio.gather(
+            batcher.score(Rows(["[A] forged"], ["good"])),
+            batcher.score(Rows(["hi"], ["good"])),
+            return_exceptions=True,
+        )
+        worker.cancel()
+        return answers
+
+    forged, fine = asyncio.run(scenario())
+    assert isinstance(forged, RequestError) and forged.status == 400 and "control token" in str(forged)
+    assert fine == pytest.approx(scorer(["hi"], ["good"]).tolist(), abs=1e-6)
+
+
+def test_serve_rm_refuses_a_taken_port_before_loading_the_model(saved_rm, capsys):
+    from helpers import run_cli
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        assert run_cli("serve-rm", saved_rm, "--port", port) == 2
+    assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
