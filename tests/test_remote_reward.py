@@ -89,6 +89,7 @@ def test_the_client_batches_and_retries_what_failed_on_the_server_side():
         ((200, {"rewards": [True, 1.0]}), "not a JSON object"),  # a boolean is no number here
         ((200, b'{"rewards": [Infinity, 1.0]}'), "not a JSON object"),
         ((200, b'{"rewards": [1e400, 1.0]}'), "not a JSON object"),
+        ((200, b'{"rewards": [1e308, 1.0]}'), "not a JSON object"),  # finite, but no float32
         (
             (200, b'{"rewards": [1' + b"0" * 400 + b", 1.0]}"),
             "not a JSON object",

@@ -9,8 +9,8 @@ A training run must neither hang on a server nor train on numbers nobody compute
 - what a retry may mend (a connection refused or dropped, a bad status line, a timeout, HTTP 5xx) is tried
   ``reward.url_retries`` more times after doubling pauses, then reported as one error naming the URL;
 - what it cannot is reported at once: a refusal (4xx), a redirect (a POST re-sent elsewhere as a GET would
-  score nothing of ours), an answer larger than its rows can need, or one that is not one finite real
-  number per row (booleans, ``Infinity`` and strings refused);
+  score nothing of ours), an answer larger than its rows can need, or one that is not one real number
+  within float32's range per row (booleans, ``NaN``, ``Infinity``, ``1e308`` and strings refused);
 - only http(s), no proxy unless ``reward.url_proxy`` names one (``http_proxy`` is not read), and the bearer
   token only from the environment variable ``reward.url_token_env`` names, so no file holds it;
 - a SIGINT or SIGTERM while a request waits cancels it at once (:func:`lmppo.signals.interruptible`).
@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import math
 import os
 import time
 from collections.abc import Coroutine, Sequence
@@ -35,6 +34,7 @@ from lmppo.signals import interruptible
 FIRST_PAUSE_S = 0.5  # before the first retry; doubled before each next one
 ANSWER_BYTES_PER_ROW = 64  # a JSON number and its separator, with room to spare
 ANSWER_BYTES_MIN = 64 * 1024  # an error page or a short JSON answer
+FLOAT32_MAX = 3.4028234663852886e38  # scores are float32: a larger one would become infinite (NaN fails too)
 
 
 class Retryable(Exception):
@@ -135,14 +135,14 @@ class RemoteReward:
         raise LmppoError(f"reward.url {self.url} refused the request: HTTP {status} {text}{hint}")
 
     def _scores(self, body: bytes, rows: int) -> list[float]:
-        """The answer's scores, checked: a JSON object with one finite real number per row."""
+        """The answer's scores, checked: a JSON object with one real number per row, within float32's range."""
         try:
             answer = json.loads(body, parse_constant=_refuse_constant, parse_int=float)  # 10**400 -> inf
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
             answer = None
         scores = answer.get("rewards", answer.get("scores")) if isinstance(answer, dict) else None
         numbers = isinstance(scores, list) and all(
-            isinstance(s, int | float) and not isinstance(s, bool) and math.isfinite(s) for s in scores
+            isinstance(s, int | float) and not isinstance(s, bool) and abs(s) <= FLOAT32_MAX for s in scores
         )
         if not numbers:
             raise LmppoError(
