@@ -151,9 +151,8 @@ def _train_run(
     cfg = load_config(config, overrides)  # a bad config is refused before torch and transformers import
     steps = f"{cfg.run.steps} step{'s' * (cfg.run.steps != 1)}"
     what = "resuming" if resume is not None else "starting"
-    print(
-        f"lmppo {command}: {what} {cfg.run.output_dir} ({steps})", flush=True
-    )  # at once: imports take seconds
+    # said at once: the imports below take seconds
+    print(f"lmppo {command}: {what} {cfg.run.output_dir} ({steps})", flush=True)
     from lmppo.run import train
 
     _quiet_transformers_unless_verbose()
