@@ -470,26 +470,27 @@ def test_group_advantages_worked_examples():
     scores = torch.tensor([1.0, 2.0, 3.0, 6.0])
     half = 0.5**0.5  # deviation / unbiased std of any two distinct samples
     torch.testing.assert_close(
-        core.group_advantages(scores, 2, "grpo"), torch.tensor([-half, half, -half, half])
+        core.group_advantages(scores, 2, "mean_std"), torch.tensor([-half, half, -half, half])
     )
-    torch.testing.assert_close(
-        core.group_advantages(scores, 2, "dr_grpo"), torch.tensor([-0.5, 0.5, -1.5, 1.5])
-    )
+    torch.testing.assert_close(core.group_advantages(scores, 2, "mean"), torch.tensor([-0.5, 0.5, -1.5, 1.5]))
     # leave-one-out: each score minus the other sample's
-    torch.testing.assert_close(core.group_advantages(scores, 2, "rloo"), torch.tensor([-1.0, 1.0, -3.0, 3.0]))
+    torch.testing.assert_close(
+        core.group_advantages(scores, 2, "leave_one_out"), torch.tensor([-1.0, 1.0, -3.0, 3.0])
+    )
     # three samples: 0 - (3+6)/2, 3 - (0+6)/2, 6 - (0+3)/2
     torch.testing.assert_close(
-        core.group_advantages(torch.tensor([0.0, 3.0, 6.0]), 3, "rloo"), torch.tensor([-4.5, 0.0, 4.5])
+        core.group_advantages(torch.tensor([0.0, 3.0, 6.0]), 3, "leave_one_out"),
+        torch.tensor([-4.5, 0.0, 4.5]),
     )
     assert (
-        core.group_advantages(torch.tensor([2.0, 2.0]), 2, "grpo").eq(0).all()
+        core.group_advantages(torch.tensor([2.0, 2.0]), 2, "mean_std").eq(0).all()
     )  # no spread: no signal, no NaN
 
 
 def test_group_advantages_refuse_partial_or_single_sample_groups():
     for rows, size in ((5, 2), (4, 1)):
         with pytest.raises(ValueError, match="whole groups of >= 2"):
-            core.group_advantages(torch.zeros(rows), size, "rloo")
+            core.group_advantages(torch.zeros(rows), size, "leave_one_out")
 
 
 def test_discounted_returns_worked_example_skips_masked_positions():

@@ -11,8 +11,9 @@ from transformers import LlamaForSequenceClassification
 from lmppo.build import load_models
 from lmppo.config import load_config
 from lmppo.errors import LmppoError
+from lmppo.estimators import ESTIMATORS
 from lmppo.lora import LoraReference
-from lmppo.plan import memory_plan
+from lmppo.plan import ladder, memory_plan
 from lmppo.resolve import resolve, resolve_device
 
 
@@ -59,7 +60,7 @@ def test_strategy_decides_what_is_sharded_and_where_values_come_from(
         run_files, [*overrides, "models.value.mode=shared", "rollout.batch_size=8", "ppo.minibatch_size=4"]
     )
     spec = resolve(cfg, world_size=2)
-    assert spec.sharded == (strategy == "fsdp2") and spec.values_from_decode == from_decode
+    assert spec.sharded == (strategy == "fsdp2") and spec.engine.values_from_decode == from_decode
     assert (spec.policy.shards, spec.value.shards, spec.reference.shards) == (shards, shards, frozen_shards)
     rows = {row.role: row for row in memory_plan(cfg, spec=spec).models}
     assert {role: row.shards for role, row in rows.items()} == {r.role: r.shards for r in spec.roles}
@@ -135,7 +136,7 @@ def test_the_plan_and_the_built_models_agree_on_every_role(
     assert (models.identities["reference"]["shared_with"] == "policy") == (spec.reference.source is None)
 
 
-@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("advantage", [name for name, row in ESTIMATORS.items() if not row.critic])
 def test_a_critic_free_run_plans_builds_and_records_no_value_model(run_files, monkeypatch, advantage):
     def no_critic(*args, **kwargs):
         raise AssertionError("a critic-free run built a value model")
@@ -143,9 +144,10 @@ def test_a_critic_free_run_plans_builds_and_records_no_value_model(run_files, mo
     cfg = load_config(run_files, [f"ppo.advantage={advantage}", "rollout.samples_per_prompt=2"])
     with_critic = memory_plan(load_config(run_files, ["rollout.samples_per_prompt=2"]), device="cpu")
     spec = resolve(cfg, device="cpu")
-    assert spec.value is None and not spec.values_from_decode
-    assert spec.whiten_advantages == (advantage == "reinforce_pp")
+    assert spec.value is None and not spec.engine.values_from_decode and not spec.estimator.critic
+    assert spec.estimator.whiten == advantage.startswith("reinforce_pp")  # group baselines never whiten
     plan = memory_plan(cfg, spec=spec)
+    assert not plan.critic and ["ppo.advantage=reinforce_pp"] not in ladder(cfg, plan)  # no critic to drop
     assert [row.role for row in plan.models] == ["policy", "reference", "reward"]
     assert plan.static < with_critic.static  # the critic's weights, gradients and Adam moments are gone
     monkeypatch.setattr("lmppo.models.make_value_model", no_critic)

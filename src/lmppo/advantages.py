@@ -1,5 +1,5 @@
-"""From a scored rollout to its advantages, by the estimator ``ppo.advantage`` names (formulas in
-:mod:`lmppo.core` and docs/core.md):
+"""From a scored rollout to its advantages, by the run's estimator (``RunSpec.estimator``, a row of
+:data:`lmppo.estimators.ESTIMATORS`; formulas in :mod:`lmppo.core` and docs/core.md):
 
 - ``gae``: the KL-shaped rewards and the critic's values through masked GAE; returns = A + V.
 - ``grpo`` / ``dr_grpo`` / ``rloo``: the sequence score minus its group's baseline (the other samples of
@@ -7,7 +7,8 @@
   the reward-to-go of each token. A group is whole on the rank that computes it: the prompt stream gives
   each rank whole prompts and the rank samples all of a prompt's responses, and the advantages are fixed
   here, before any shuffling, minibatch or micro-batch moves a row.
-- ``reinforce_pp``: REINFORCE++, the KL-shaped reward-to-go whitened over the whole batch (all ranks).
+- ``reinforce_pp``: REINFORCE++, the KL-shaped reward-to-go whitened over the whole batch (all ranks);
+  ``reinforce_pp_baseline`` the same on the score minus its group's mean.
 
 With ``kl.in_loss`` the rewards carry no KL penalty: the update adds it to the loss instead.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from lmppo import core
-from lmppo.config import GROUP_BASELINES, Config
+from lmppo.config import Config
 from lmppo.resolve import RunSpec
 from lmppo.rollout import Rollout
 from lmppo.step_results import RewardEstimates
@@ -29,10 +30,10 @@ def fill_advantages(
     """Shaped rewards, advantages and returns of a scored rollout (``logp_ref`` and, with a critic,
     ``values`` filled in), written into it; what they were computed from, for the metrics."""
     mask, logp_old = rollout.response_mask, rollout.logp_old_for_update
-    bootstrap_value = rollout.bootstrap_value
+    estimator, bootstrap_value = spec.estimator, rollout.bootstrap_value
     # A truncated row either ends the episode (scored, nothing after it) or is unfinished (its future,
     # score included, is V(s_after)): never both, or truncation would be paid twice.
-    if cfg.rollout.truncation == "terminal":
+    if not estimator.bootstrap_truncated:
         bootstrap_value = None if bootstrap_value is None else torch.zeros_like(bootstrap_value)
     else:
         rm_score = torch.where(rollout.terminated, rm_score, 0.0)
@@ -40,12 +41,13 @@ def fill_advantages(
         mask.bool(), core.kl_estimate(logp_old, rollout.logp_ref, cfg.kl.estimator), 0.0
     )
     score, flat = rm_score, None
-    if spec.advantage in GROUP_BASELINES:
-        n = cfg.rollout.samples_per_prompt
-        score, flat = core.group_advantages(rm_score, n, spec.advantage), core.flat_groups(rm_score, n)
-    reward_beta = 0.0 if cfg.kl.in_loss else beta
+    if estimator.groups:
+        n = estimator.group_size
+        score = core.group_advantages(rm_score, n, estimator.group_baseline)
+        flat = core.flat_groups(rm_score, n)
+    reward_beta = 0.0 if estimator.kl_in_loss else beta
     rewards = core.shaped_rewards(score, logp_old, rollout.logp_ref, mask, reward_beta, cfg.kl.estimator)
-    if spec.value is None:  # no critic: the return itself, the reward-to-go from each token
+    if not estimator.critic:  # no critic: the return itself, the reward-to-go from each token
         advantages = returns = core.discounted_returns(rewards, mask, cfg.ppo.gamma)
     else:
         advantages, returns = core.gae(
@@ -53,7 +55,7 @@ def fill_advantages(
         )
     adv_mean = core.masked_mean(advantages, mask, group)
     adv_std = core.masked_var(advantages, mask, unbiased=False, group=group).sqrt()
-    if spec.whiten_advantages:
+    if estimator.whiten:
         advantages = core.masked_whiten(advantages, mask, group=group)
     rollout.advantages, rollout.returns = advantages, returns
     return RewardEstimates(
@@ -64,5 +66,5 @@ def fill_advantages(
         adv_mean.item(),
         adv_std.item(),
         flat,
-        not cfg.kl.in_loss,
+        not estimator.kl_in_loss,
     )

@@ -41,7 +41,7 @@ from lmppo.models import (
 from lmppo.progress import phase, size
 from lmppo.quantize import offload
 from lmppo.remote_reward import RemoteReward
-from lmppo.resolve import RoleSpec, RunSpec
+from lmppo.resolve import EngineSpec, RoleSpec, RunSpec
 from lmppo.rollout import Generator, HFGenerator, PolicyAndValue
 from lmppo.scoring import (
     CombinedReward,
@@ -259,32 +259,24 @@ def generator_options(cfg: Config) -> dict:
 def build_generator(cfg: Config, spec: RunSpec, models: PPOModels) -> Generator:
     """The rollout engine ``rollout.engine`` names, with the config's sampling settings; with
     ``rollout.asynchronous`` the transformers decode loop runs on its own copy of the policy."""
-    if cfg.rollout.engine == "vllm":  # an engine sampling during the update must stay awake
-        sleep = not cfg.rollout.asynchronous
-        return vllm_engine(cfg, models.policy, models.tokenizer, dtype=spec.compute_dtype, sleep=sleep)
-    if cfg.rollout.asynchronous:  # a plain copy of the starting policy (before any sharding)
+    engine = spec.engine
+    if engine.kind == "vllm":
+        return vllm_engine(cfg, engine, models.policy, models.tokenizer, dtype=spec.compute_dtype)
+    if engine.asynchronous:  # a plain copy of the starting policy (before any sharding)
         snapshot = without_adapters(copy.deepcopy(unwrap_model(models.policy)))
         return SnapshotGenerator(snapshot, models.tokenizer, seed=cfg.run.seed, **generator_options(cfg))
     return HFGenerator(
         models.policy,
         models.tokenizer,
-        value_model=models.value if spec.values_from_decode else None,
-        bootstrap_values=cfg.rollout.truncation == "bootstrap",  # terminal: the trainer zeroes it anyway
+        value_model=models.value if engine.values_from_decode else None,
+        bootstrap_values=engine.bootstrap_values,
         **generator_options(cfg),
     )
 
 
-def vllm_engine(
-    cfg: Config,
-    policy: nn.Module,
-    tokenizer,
-    *,
-    dtype=None,
-    sleep: bool = False,
-    weight_sync: str | None = None,
-):
-    """A vLLM engine loaded from ``models.policy.path``, sampling as the config says, in ``dtype`` (the
-    run's compute dtype; None: the policy's), ``weight_sync`` overriding ``rollout.vllm_weight_sync``."""
+def vllm_engine(cfg: Config, engine: EngineSpec, policy: nn.Module, tokenizer, *, dtype=None):
+    """A vLLM engine loaded from ``models.policy.path``, sampling as the config says, synced and put to
+    sleep as ``engine`` says, in ``dtype`` (the run's compute dtype; None: the policy's)."""
     from lmppo.vllm_engine import VLLMGenerator  # vLLM lives in its own environment
 
     return VLLMGenerator(
@@ -293,9 +285,9 @@ def vllm_engine(
         cfg.models.policy.path,
         seed=cfg.run.seed,
         kv_cache_gb=cfg.rollout.vllm_kv_cache_gb,
-        weight_sync=weight_sync or cfg.rollout.vllm_weight_sync,
+        weight_sync=engine.weight_sync,
         dtype=dtype,
-        sleep=sleep,
+        sleep=engine.sleeps,
         **generator_options(cfg),
     )
 

@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from lmppo.errors import LmppoError
+from lmppo.estimators import ESTIMATORS
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -372,8 +373,7 @@ class RolloutConfig(Section):
         return self
 
 
-Advantage = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
-GROUP_BASELINES = ("grpo", "dr_grpo", "rloo")  # need rollout.samples_per_prompt >= 2
+Advantage = Literal[tuple(ESTIMATORS)]
 
 
 class PPOConfig(Section):
@@ -381,10 +381,8 @@ class PPOConfig(Section):
 
     advantage: Advantage = Field(
         "gae",
-        description="gae: a critic's values and GAE; critic-free (no value model at all): grpo = the group's "
-        "mean and std as baseline, dr_grpo = the group's mean only, rloo = the mean of the other samples "
-        "of the prompt, reinforce_pp = REINFORCE++'s KL-shaped returns whitened over the batch "
-        "(docs/core.md)",
+        description="; ".join(f"{name}: {row.about}" for name, row in ESTIMATORS.items())
+        + ". All but gae are critic-free: no value model at all (docs/core.md)",
     )
     ppo_epochs: int = Field(4, gt=0, description="passes over each rollout batch")
     minibatch_size: int = Field(16, gt=0, description="responses per optimizer step (global, all ranks)")
@@ -704,17 +702,18 @@ class Config(Section):
     @model_validator(mode="after")
     def _critic_free_fits(self) -> Config:
         advantage, n = self.ppo.advantage, self.rollout.samples_per_prompt
+        estimator = ESTIMATORS[advantage]
         if self.run.algorithm == "best_of_n" and n < 2:
             raise ValueError(
                 f"best-of-n keeps the best of rollout.samples_per_prompt responses per prompt, and it is {n}; "
                 "set rollout.samples_per_prompt to K >= 2 (4 or 8 is usual)"
             )
-        if advantage in GROUP_BASELINES and n < 2:
+        if estimator.groups and n < 2:
             raise ValueError(
                 f"ppo.advantage={advantage} compares the samples of one prompt, and rollout.samples_per_prompt"
                 f"={n} draws one; set rollout.samples_per_prompt to 2 or more (4-16 is usual)"
             )
-        if advantage == "gae":
+        if estimator.critic:
             return self
         if self.rollout.truncation == "bootstrap":
             raise ValueError(

@@ -302,7 +302,7 @@ def gae(
     return advantages.to(rewards.dtype), returns.to(rewards.dtype)
 
 
-GroupBaseline = Literal["grpo", "dr_grpo", "rloo"]
+GroupBaseline = Literal["mean_std", "mean", "leave_one_out"]  # what each group baseline subtracts
 
 
 def group_advantages(
@@ -314,10 +314,10 @@ def group_advantages(
     prompt each (a group is always whole: a statistic over a partial group would be another estimator).
     With group mean ``m`` and unbiased standard deviation ``s`` (as TRL and OpenRLHF compute it):
 
-    - ``grpo`` (Shao et al. 2024, DeepSeekMath): ``(r_i - m) / (s + eps)``;
-    - ``dr_grpo`` (Liu et al. 2025, "Understanding R1-Zero-Like Training"): ``r_i - m``, without the std
-      division, which up-weights prompts whose samples barely differ;
-    - ``rloo`` (Kool et al. 2019; Ahmadian et al. 2024): ``r_i - mean_{j != i} r_j``
+    - ``mean_std`` (GRPO, Shao et al. 2024, DeepSeekMath): ``(r_i - m) / (s + eps)``;
+    - ``mean`` (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training"): ``r_i - m``, without the
+      std division, which up-weights prompts whose samples barely differ;
+    - ``leave_one_out`` (RLOO, Kool et al. 2019; Ahmadian et al. 2024): ``r_i - mean_{j != i} r_j``
       ``= n / (n - 1) * (r_i - m)``, the leave-one-out baseline, unbiased (it never sees ``r_i``).
 
     Returns (B,) in ``scores``' dtype, computed in at least fp32. A group of one has no baseline: refused.
@@ -329,9 +329,9 @@ def group_advantages(
     dtype = torch.promote_types(scores.dtype, torch.float32)
     grouped = scores.to(dtype).reshape(-1, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
-    if kind == "grpo":
+    if kind == "mean_std":
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
-    elif kind == "rloo":
+    elif kind == "leave_one_out":
         centred = centred * (group_size / (group_size - 1))
     return centred.reshape(-1).to(scores.dtype)
 

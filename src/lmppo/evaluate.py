@@ -23,14 +23,14 @@ import contextlib
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from rich.table import Table
 
 from lmppo.build import generator_options, load_reward, vllm_engine
-from lmppo.config import load_config
+from lmppo.config import Config, load_config
 from lmppo.core import kl_estimate
 from lmppo.data import Prompt, load_demonstrations, load_prompts
 from lmppo.distributed import all_sum, failing_together, gather_objects, gathered
@@ -38,7 +38,7 @@ from lmppo.errors import LmppoError, user_code_error
 from lmppo.loading import load_causal_lm, load_tokenizer
 from lmppo.models import autocast, eval_mode
 from lmppo.progress import advance
-from lmppo.resolve import frozen_policy_source, resolve
+from lmppo.resolve import RunSpec, frozen_policy_source, resolve
 from lmppo.rollout import Generator, HFGenerator, Rollout, sequence_logprobs
 from lmppo.scoring import RewardFunction, load_function
 from lmppo.sft import response_nll_sum
@@ -331,12 +331,13 @@ def write_eval_json(
     return summary
 
 
-def run_engine(cfg, policy, tokenizer, dtype=None) -> Generator | None:
+def run_engine(cfg: Config, spec: RunSpec, policy, tokenizer) -> Generator | None:
     """The run's vLLM engine (``rollout.engine: vllm``) for ``lmppo eval``, loaded from the starting policy:
     both policies sample as training did; None: the transformers decode loop on each policy."""
-    if cfg.rollout.engine != "vllm":
+    if spec.engine.kind != "vllm":
         return None
-    return vllm_engine(cfg, policy, tokenizer, dtype=dtype, weight_sync="merged")  # final/ is a whole model
+    engine = replace(spec.engine, weight_sync="merged", sleeps=False)  # final/ is a whole model
+    return vllm_engine(cfg, engine, policy, tokenizer, dtype=spec.compute_dtype)
 
 
 def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) -> dict:
@@ -367,7 +368,7 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
     reward_fn = load_reward(cfg.reward, spec.rewards, spec.device).reward
     gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
     start, final = (load_causal_lm(source).to(spec.device) for source in (start_source, final_source))
-    engine = run_engine(cfg, start, tokenizer, spec.compute_dtype)
+    engine = run_engine(cfg, spec, start, tokenizer)
     results = {}
     # an offloaded reward model comes to the device for the evaluation (lmppo.quantize.offload)
     with autocast(spec.precision, spec.device), gathered(*getattr(reward_fn, "models", [])):

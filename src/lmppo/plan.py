@@ -29,7 +29,7 @@ from lmppo.lora import with_lora
 from lmppo.models import make_value_model
 from lmppo.progress import size
 from lmppo.quantize import QUANTIZED_BYTES, quantizable_linears
-from lmppo.resolve import RoleSpec, RunSpec, check_batches, frozen_sections, resolve
+from lmppo.resolve import EngineSpec, RoleSpec, RunSpec, check_batches, frozen_sections, resolve
 from lmppo.rollout import prompt_room
 
 GIB = 2**30
@@ -155,6 +155,7 @@ class MemoryPlan:
     precision: str
     device: str
     world_size: int
+    critic: bool  # a trained value model (the ladder's first rung drops it)
     prompt_tokens: int  # the longest rendered prompt the phases are sized for
     models: list[ModelRow]
     phases: dict[str, int]  # phase -> bytes; they follow one another, so the largest counts
@@ -316,14 +317,10 @@ def longest_prompt(cfg: Config) -> int:
 
 
 def phase_bytes(
-    cfg: Config,
-    rows: list[ModelRow],
-    shapes: dict[str, Shape],
-    precision: str,
-    prompt_tokens: int,
-    world_size: int,
+    cfg: Config, spec: RunSpec, rows: list[ModelRow], shapes: dict[str, Shape], prompt_tokens: int
 ) -> tuple[dict[str, int], dict[str, str]]:
     """Bytes of the rollout, the stored passes and the update on one rank, and how each was sized."""
+    precision, world_size = spec.precision, spec.world_size
     act = 2 if precision == "bf16" else 4
     policy, critic = shapes["policy"], shapes.get("value")
     batch = max(cfg.rollout.responses_per_step // world_size, 1)
@@ -331,7 +328,7 @@ def phase_bytes(
     length = prompt_tokens + response
     by_role = {row.role: row for row in rows}
 
-    rollout, rollout_how = _rollout_bytes(cfg, by_role, policy, precision, batch, prompt_tokens)
+    rollout, rollout_how = _rollout_bytes(cfg, spec, by_role, policy, batch, prompt_tokens)
 
     # Stored passes (no gradients): logits of a forward batch (compute dtype + fp32 copy + log-softmax).
     if cfg.rollout.forward_batch_tokens:
@@ -394,13 +391,13 @@ def phase_bytes(
 
 
 def _rollout_bytes(
-    cfg: Config, by_role: dict[str, ModelRow], policy: Shape, precision: str, batch: int, prompt_tokens: int
+    cfg: Config, spec: RunSpec, by_role: dict[str, ModelRow], policy: Shape, batch: int, prompt_tokens: int
 ) -> tuple[int, str]:
     """The rollout on one rank: the static KV cache of the whole batch, one layer's prefill working set and
     the sampling logits (or vLLM's own cache and weights), and how it was sized."""
-    act = 2 if precision == "bf16" else 4
+    act = 2 if spec.precision == "bf16" else 4
     length = prompt_tokens + cfg.rollout.max_new_tokens
-    if cfg.rollout.engine == "vllm":
+    if spec.engine.kind == "vllm":
         rollout = cfg.rollout.vllm_kv_cache_gb * GIB + by_role["policy"].parameters * act  # its own weights
         return rollout, f"vLLM: {cfg.rollout.vllm_kv_cache_gb} GiB KV cache + its weights"
     kv = 2 * policy.layers * policy.kv_width * act * batch * length
@@ -415,23 +412,26 @@ def _rollout_bytes(
 
 
 def add_resident_engine(
-    cfg: Config, rows: list[ModelRow], phases: dict[str, int], details: dict[str, str], device: str
+    engine: EngineSpec, rows: list[ModelRow], phases: dict[str, int], details: dict[str, str]
 ) -> None:
     """What the rollout engine holds while the other phases run, added to them. vLLM on a GPU with
     synchronous rollouts sleeps through them (its cache freed, its weights in host memory); elsewhere its
     weights and KV cache stay. With ``rollout.asynchronous`` the next batch decodes during the stored passes
     and the update, and ``engine: hf`` keeps a snapshot of the policy for it in every phase."""
-    rollout, r = phases["rollout"], cfg.rollout
-    if r.engine == "hf" and r.asynchronous:
+    rollout = phases["rollout"]
+    if engine.kind == "hf" and engine.asynchronous:
         policy = next(row for row in rows if row.role == "policy")
         snapshot = policy.stored_weights * policy.shards  # a whole copy on every rank
         phases["rollout"] += snapshot
         details["rollout"] += f" + the snapshot of the policy it decodes on: {size(snapshot)}"
         resident, why = phases["rollout"], "the snapshot and the next batch's decode"
-    elif r.engine == "vllm" and (device != "cuda" or r.asynchronous):
-        resident, why = rollout, "the vLLM engine stays resident" + (": sampling" if r.asynchronous else "")
+    elif engine.kind == "vllm" and not engine.sleeps:
+        resident, why = (
+            rollout,
+            "the vLLM engine stays resident" + (": sampling" if engine.asynchronous else ""),
+        )
     else:
-        if r.engine == "vllm":
+        if engine.kind == "vllm":
             details["rollout"] += "; it sleeps through the other phases"
         return
     for phase in ("stored passes", "update"):
@@ -508,8 +508,8 @@ def memory_plan(
     device, precision = spec.device.type, spec.precision
     rows, shapes, conversion = model_rows(cfg, spec)
     prompt_tokens = prompt_tokens or longest_prompt(cfg)
-    phases, details = phase_bytes(cfg, rows, shapes, precision, prompt_tokens, spec.world_size)
-    add_resident_engine(cfg, rows, phases, details, device)
+    phases, details = phase_bytes(cfg, spec, rows, shapes, prompt_tokens)
+    add_resident_engine(spec.engine, rows, phases, details)
     if device == "cpu" and conversion:  # on CUDA the files are read into host memory, not the GPU's
         phases["loading"], details["loading"] = conversion, "weight files read while converting them"
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else process_rss()  # GPU memory is not the process's RSS
@@ -518,6 +518,7 @@ def memory_plan(
         precision=precision,
         device=device,
         world_size=spec.world_size,
+        critic=spec.estimator.critic,
         prompt_tokens=prompt_tokens,
         models=rows,
         phases=phases,
@@ -529,11 +530,11 @@ def memory_plan(
     )
 
 
-def ladder(cfg: Config, device: str) -> list[list[str]]:
+def ladder(cfg: Config, plan: MemoryPlan) -> list[list[str]]:
     """The seeds' memory ladder as overrides, in their order, for the rungs this run has not taken: drop
     the critic, LoRA, quantize the frozen pair, offload (CUDA), then FSDP2 (:func:`remedies` adds ranks)."""
     rungs = []
-    if cfg.ppo.advantage == "gae" and cfg.run.algorithm == "ppo":
+    if plan.critic:
         rungs.append(["ppo.advantage=reinforce_pp"])
     if not cfg.models.policy_lora.enabled:
         rungs.append(["models.policy_lora.enabled=true"])
@@ -546,7 +547,7 @@ def ladder(cfg: Config, device: str) -> list[list[str]]:
             quantize.append(f"models.reference.gguf_file={cfg.models.policy.gguf_file}")
     if quantize:
         rungs.append(quantize)
-    if device == "cuda":
+    if plan.device == "cuda":
         offload = [
             f"{key}.offload=model" for key, section in frozen_sections(cfg) if section.offload == "none"
         ]
@@ -557,7 +558,7 @@ def ladder(cfg: Config, device: str) -> list[list[str]]:
 def remedies(cfg: Config, plan: MemoryPlan) -> list[tuple[str, int]]:
     """Config changes that shrink the plan, with the bytes each saves per rank: the memory ladder's rungs in
     the seeds' order (:func:`ladder`, FSDP2 ranks last), then the other knobs, largest saving first."""
-    rungs = ladder(cfg, plan.device)
+    rungs = ladder(cfg, plan)
     if plan.world_size > 1 and cfg.distributed.strategy == "ddp":
         rungs.append(["distributed.strategy=fsdp2"])
     knobs = []
@@ -565,11 +566,7 @@ def remedies(cfg: Config, plan: MemoryPlan) -> list[tuple[str, int]]:
         knobs.append(["run.precision=bf16"])
     if not cfg.ppo.gradient_checkpointing:
         knobs.append(["ppo.gradient_checkpointing=true"])
-    if (
-        cfg.ppo.advantage == "gae"
-        and cfg.models.value.mode == "separate"
-        and not cfg.models.value.lora.enabled
-    ):
+    if plan.critic and cfg.models.value.mode == "separate" and not cfg.models.value.lora.enabled:
         knobs.append(["models.value.mode=shared"])
     if plan.phases["update"] == max(plan.phases.values()):
         budget = max(

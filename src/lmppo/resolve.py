@@ -16,6 +16,7 @@ import torch
 
 from lmppo.config import Config, LoraConfig, ModelSource, RewardConfig
 from lmppo.errors import LmppoError
+from lmppo.estimators import ESTIMATORS, EstimatorSpec
 from lmppo.quantize import require_torchao
 
 Trained = Literal["all", "lora", "head", "none"]  # what of a model the optimizer steps
@@ -66,6 +67,19 @@ class RoleSpec:
 
 
 @dataclass(frozen=True)
+class EngineSpec:
+    """The rollout engine as the config decides it (``RunSpec.engine``)."""
+
+    kind: Literal["hf", "vllm"]  # rollout.engine: the transformers decode loop or vLLM
+    asynchronous: bool  # rollout.asynchronous: the next batch samples during this step's update
+    owns_weights: bool  # samples from its own copy of the policy, synced after each update
+    sleeps: bool  # vLLM frees its GPU memory during the update (never while it samples during it)
+    weight_sync: str  # rollout.vllm_weight_sync: "merged" or "lora"
+    values_from_decode: bool  # a shared-trunk critic's values read off the decode loop's hidden states
+    bootstrap_values: bool  # the decode loop also values the state after a truncated row's last token
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """The resolved run: read by the plan, the builders, the trainer, the pre-flight and evaluation."""
 
@@ -77,17 +91,13 @@ class RunSpec:
     strategy: str  # "ddp" or "fsdp2" (one process: "ddp", nothing to sync)
     sharded: bool  # FSDP2 over several ranks: the models are split, every pass outside the update gathers
     sharded_checkpoints: bool  # each rank writes its own shards
-    values_from_decode: bool  # a shared-trunk critic's values read off the decode loop's hidden states
-    engine_owns_weights: (
-        bool  # the rollout engine samples from its own copy of the policy, synced each update
-    )
+    engine: EngineSpec
     policy: RoleSpec
     reference: RoleSpec
     rewards: tuple[RoleSpec, ...]  # one per reward component, in the config's order
-    value: RoleSpec | None  # None: a critic-free advantage (ppo.advantage) or best-of-n, no value model
+    value: RoleSpec | None  # None: a critic-free estimator or best-of-n, no value model
     algorithm: str  # run.algorithm: "ppo" or "best_of_n"
-    advantage: str  # ppo.advantage
-    whiten_advantages: bool  # GAE and REINFORCE++ as ppo.whiten_advantages says; group baselines never
+    estimator: EstimatorSpec
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -119,8 +129,8 @@ def resolve(
     frozen_shards = world_size if sharded and cfg.distributed.shard_frozen else 1
     policy = policy_role(cfg, precision, trained_shards)
     rewards = reward_roles(cfg.reward, precision, frozen_shards)
-    critic = cfg.run.algorithm == "ppo" and cfg.ppo.advantage == "gae"
-    check_memory_rungs(cfg, device, trained_shards, frozen_shards, critic)
+    estimator = resolve_estimator(cfg)
+    check_memory_rungs(cfg, device, trained_shards, frozen_shards, estimator.critic)
     return RunSpec(
         device=device,
         precision=precision,
@@ -130,21 +140,48 @@ def resolve(
         strategy=strategy,
         sharded=sharded,
         sharded_checkpoints=sharded and cfg.distributed.checkpoint == "sharded",
-        # under FSDP2 the head is sharded with the trunk, so the trainer's gathered values pass stays
-        values_from_decode=critic
-        and cfg.models.value.mode == "shared"
-        and not sharded
-        and cfg.rollout.engine == "hf"
-        and not cfg.rollout.asynchronous,
-        engine_owns_weights=cfg.rollout.engine == "vllm" or cfg.rollout.asynchronous,
+        engine=resolve_engine(cfg, estimator, device, sharded),
         policy=policy,
         reference=reference_role(cfg, precision, policy, frozen_shards),
         rewards=rewards,
-        value=value_role(cfg, policy, rewards, trained_shards) if critic else None,
+        value=value_role(cfg, policy, rewards, trained_shards) if estimator.critic else None,
         algorithm=cfg.run.algorithm,
-        advantage=cfg.ppo.advantage,
-        # a group baseline is already on the group's scale (Dr. GRPO drops exactly that division)
-        whiten_advantages=cfg.ppo.whiten_advantages and cfg.ppo.advantage in ("gae", "reinforce_pp"),
+        estimator=estimator,
+    )
+
+
+def resolve_estimator(cfg: Config) -> EstimatorSpec:
+    """``ppo.advantage``'s row of :data:`lmppo.estimators.ESTIMATORS`, settled with the settings that shape
+    it: best-of-n trains no critic; whitening only where the row allows it (a group baseline is already on
+    its group's scale, and Dr. GRPO drops exactly that division)."""
+    row = ESTIMATORS[cfg.ppo.advantage]
+    return EstimatorSpec(
+        name=cfg.ppo.advantage,
+        critic=row.critic and cfg.run.algorithm == "ppo",
+        group_baseline=row.group_baseline,
+        group_size=cfg.rollout.samples_per_prompt,
+        whiten=row.whitens and cfg.ppo.whiten_advantages,
+        kl_in_loss=cfg.kl.in_loss,
+        bootstrap_truncated=cfg.rollout.truncation == "bootstrap",
+    )
+
+
+def resolve_engine(cfg: Config, estimator: EstimatorSpec, device: torch.device, sharded: bool) -> EngineSpec:
+    """``rollout.engine`` and how it meets the trainer: vLLM, and the decode loop under
+    ``rollout.asynchronous`` (on a snapshot), sample from their own copy of the policy; only the
+    synchronous decode loop on the trained module can read a shared-trunk critic's values as it samples
+    (under FSDP2 the head is sharded with the trunk, so the trainer's gathered values pass stays)."""
+    r = cfg.rollout
+    vllm, shared_critic = r.engine == "vllm", estimator.critic and cfg.models.value.mode == "shared"
+    return EngineSpec(
+        kind=r.engine,
+        asynchronous=r.asynchronous,
+        owns_weights=vllm or r.asynchronous,
+        # vLLM's sleep mode frees GPU memory; an engine sampling during the update must stay awake
+        sleeps=vllm and not r.asynchronous and device.type == "cuda",
+        weight_sync=r.vllm_weight_sync,
+        values_from_decode=shared_critic and not sharded and not vllm and not r.asynchronous,
+        bootstrap_values=estimator.bootstrap_truncated,  # terminal: the estimator zeroes it anyway
     )
 
 

@@ -253,7 +253,7 @@ class PPORun:
             )
         self.check_prompts(located_prompts)
         # held-out evaluation and the pre-flight sample as training does: on a vLLM engine when it has one
-        self.engine = self.trainer.generator if cfg.rollout.engine == "vllm" else None
+        self.engine = self.trainer.generator if spec.engine.kind == "vllm" else None
         evaluator = evaluator_factory(models) if evaluator_factory else None
         if (
             evaluator is None and cfg.data.eval_prompts and cfg.run.eval_every

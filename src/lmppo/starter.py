@@ -16,13 +16,16 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel
 
 from lmppo.config import Config, apply_override, section_of, validate_config
 from lmppo.errors import LmppoError, with_context
+
+if TYPE_CHECKING:  # the plan imports torch: loaded only when a starter is planned
+    from lmppo.plan import MemoryPlan
 
 # On a CPU, full fine-tuning above this many policy parameters takes minutes per step (SmolLM2-135M on
 # 2 cores: about 2 min); LoRA trains ~4 % of them and the reference shares the base weights.
@@ -188,7 +191,7 @@ def sized_starter(
         if not fixes:
             break
         (cfg, plan), changes = planned(fixes[0][0]), [*changes, fixes[0][0]]
-    if _full_critic_beside_lora(cfg):
+    if _full_critic_beside_lora(cfg, plan):
         change = "models.value.mode=shared"
         (cfg, plan), changes = planned(change), [*changes, f"{change} (the critic of a LoRA policy)"]
     summary = f"needs {size(plan.needed_per_rank)} of {size(plan.available)} on {plan.device}"
@@ -197,16 +200,13 @@ def sized_starter(
     return Starter(cfg, raw, changes, plan.fits, summary)
 
 
-def _full_critic_beside_lora(cfg: Config) -> bool:
+def _full_critic_beside_lora(cfg: Config, plan: MemoryPlan) -> bool:
     """A LoRA policy with a separate, fully trained critic: the critic would cost more than the policy (its
     weights, gradients and Adam state, and a second network's passes); a head on the trunk costs nearly
     nothing, and that is what the SmolLM2 measurements ran (docs/quality.md)."""
     value = cfg.models.value
     return (
-        cfg.models.policy_lora.enabled
-        and cfg.ppo.advantage == "gae"
-        and value.mode == "separate"
-        and not value.lora.enabled
+        cfg.models.policy_lora.enabled and plan.critic and value.mode == "separate" and not value.lora.enabled
     )
 
 

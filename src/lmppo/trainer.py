@@ -101,7 +101,9 @@ class PPOTrainer:
         self.tokens = 0  # response tokens generated (all ranks)
         # rollout.asynchronous: the next batch samples on a worker thread while this one is updated on
         self.ahead = (
-            RolloutsAhead(self.generator, self.prompt_stream, self.autocast) if r.asynchronous else None
+            RolloutsAhead(self.generator, self.prompt_stream, self.autocast)
+            if spec.engine.asynchronous
+            else None
         )
 
     def autocast(self):
@@ -115,7 +117,7 @@ class PPOTrainer:
         critic_only = self.step_count < cfg.ppo.critic_warmup_steps  # critic warmup: the policy waits
         with timed(seconds, "perf/step_s"):
             # 1. Rollout: sample responses with the current policy; refuse data older than allowed.
-            trained_weights = None if self.spec.engine_owns_weights else self.policy
+            trained_weights = None if self.spec.engine.owns_weights else self.policy
             with (
                 phase("generating"),
                 timed(seconds, "perf/rollout_s"),
@@ -225,7 +227,7 @@ class PPOTrainer:
         estimates = fill_advantages(
             rollout, rm_score, self.kl_controller.value, self.cfg, self.spec, self.group
         )
-        shown_used = transform_stats or component_rows or self.cfg.rollout.truncation == "bootstrap"
+        shown_used = transform_stats or component_rows or self.spec.estimator.bootstrap_truncated
         metrics = rollout_metrics(
             rollout, rm_score_raw, estimates, component_rows if shown_used else None, self.group
         )
@@ -285,7 +287,7 @@ class PPOTrainer:
                 break  # approx KL is a global token mean, the same on every rank: all stop together
         n = len(results)
         nonfinite = sum(not r.finite for r in results)
-        metrics = update_metrics(totals, results, self.cfg.kl.in_loss)
+        metrics = update_metrics(totals, results, self.spec.estimator.kl_in_loss)
         metrics["engine/logp_gap"] = engine_logp_gap
         metrics["policy/ratio_max"] = ratio_max
         metrics["policy/frozen"] = float(critic_only)
@@ -367,7 +369,7 @@ class PPOTrainer:
         kl_loss = torch.zeros(
             ()
         )  # kl.in_loss, GRPO's term: k3 is >= 0 per token, its gradient pulls to the ref
-        if self.cfg.kl.in_loss:
+        if self.spec.estimator.kl_in_loss:
             per_token = core.kl_estimate(logp_new, micro.logp_ref, "k3")
             kl_loss = core.masked_mean(per_token if weights is None else per_token * weights, mask)
         v_loss = v_clip_frac = torch.zeros(())  # no critic, no value loss
