@@ -77,7 +77,6 @@ def test_reinforce_pp_whitens_the_kl_shaped_return_over_the_batch():
     torch.testing.assert_close(rollout.advantages, (returns - 0.35) / std, atol=1e-5, rtol=1e-5)
 
 
-
 def test_reinforce_pp_baseline_centres_each_group_then_whitens_over_the_batch():
     """REINFORCE++-baseline (the group's mean, the batch's std): scores (1, 3) and (10, 10) centre to
     (-1, 1) and (0, 0); -0.1 per token gives returns (-1.2, -1.1), (0.8, 0.9), (-0.2, -0.1) twice, whitened
@@ -94,6 +93,7 @@ def test_reinforce_pp_baseline_centres_each_group_then_whitens_over_the_batch():
     mean, std = returns.mean(), returns.std(unbiased=False)
     torch.testing.assert_close(rollout.advantages, (returns - mean) / std, atol=1e-5, rtol=1e-5)
     assert estimates.flat_groups.tolist() == [False, False, True, True]
+
 
 def test_a_group_that_scored_alike_is_flat_and_gets_only_the_kl_term():
     rollout = scored_rollout([[1, 1], [1, 1], [1, 1], [1, 1]], kl_per_token=0.2)
