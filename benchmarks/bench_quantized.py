@@ -54,8 +54,8 @@ def responses(n_prompts: int, seed: int):
 
     from lmppo.config import ModelSource
     from lmppo.data import load_prompts
+    from lmppo.hf_engine import HFGenerator
     from lmppo.loading import load_causal_lm, load_tokenizer
-    from lmppo.rollout import HFGenerator
 
     tokenizer = load_tokenizer(POLICY)
     torch.manual_seed(seed)
@@ -69,8 +69,8 @@ def logprob_errors(n_prompts: int, seed: int) -> dict:
 
     from lmppo.config import ModelSource
     from lmppo.loading import load_causal_lm
+    from lmppo.passes import sequence_logprobs
     from lmppo.quantize import quantized_weight_bytes
-    from lmppo.rollout import sequence_logprobs
 
     rollout = responses(n_prompts, seed)
     mask = rollout.response_mask.bool()

@@ -9,8 +9,8 @@ from helpers import COUNT_GOOD
 from lmppo.build import generator_options, load_models, load_reward, load_value_model
 from lmppo.config import load_config
 from lmppo.errors import LmppoError
+from lmppo.hf_engine import HFGenerator
 from lmppo.resolve import resolve
-from lmppo.rollout import HFGenerator
 
 
 def cpu_models(cfg):

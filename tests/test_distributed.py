@@ -29,10 +29,10 @@ from lmppo.checkpoint import latest_checkpoint, load_checkpoint
 from lmppo.config import LoraConfig
 from lmppo.distributed import full_tensor, join_shards, seed_everything, trained_state_bytes
 from lmppo.engines import policy_weights
+from lmppo.hf_engine import HFGenerator
 from lmppo.lora import make_reference, with_lora
 from lmppo.metrics import read_metrics, reduce_metrics
 from lmppo.models import ValueModel
-from lmppo.rollout import HFGenerator
 
 BATCH = 8
 # one minibatch of the whole batch (every rank's rows), two epochs, micro-batches of 4 rows (2 per rank)

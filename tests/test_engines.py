@@ -6,8 +6,8 @@ from helpers import POLICY_SPECIALS, POLICY_TEMPLATE, WORDS, build_tokenizer, ll
 from transformers import LlamaForCausalLM
 
 from lmppo.engines import policy_weights
+from lmppo.hf_engine import HFGenerator
 from lmppo.lora import apply_lora
-from lmppo.rollout import HFGenerator
 
 
 def policy_tokenizer():

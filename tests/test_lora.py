@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import logits
 
+from lmppo.hf_engine import HFGenerator
 from lmppo.lora import (
     LoraReference,
     apply_lora,
@@ -17,7 +18,7 @@ from lmppo.lora import (
     mergeable_lora_layers,
 )
 from lmppo.models import model_identity, trainable_parameters
-from lmppo.rollout import HFGenerator, sequence_logprobs
+from lmppo.passes import sequence_logprobs
 
 
 def test_make_reference_without_lora_is_a_frozen_copy(policy_model):

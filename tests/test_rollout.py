@@ -12,21 +12,23 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from lmppo.core import last_response_index, shaped_rewards, token_logprobs
 from lmppo.errors import LmppoError, LmppoWarning
+from lmppo.hf_engine import HFGenerator
 from lmppo.lora import apply_lora
 from lmppo.models import ValueModel, trainable_parameters
-from lmppo.rollout import (
-    HFGenerator,
-    Rollout,
-    balanced_assignment,
-    concat_rollouts,
+from lmppo.passes import (
     policy_logprobs_and_values,
     response_logits,
     response_logprobs,
-    response_mask_from_ids,
     sequence_logprobs,
+    value_predictions,
+)
+from lmppo.rollout import (
+    Rollout,
+    balanced_assignment,
+    concat_rollouts,
+    response_mask_from_ids,
     token_budget_groups,
     trim_padding,
-    value_predictions,
 )
 
 LOGP_TOL = 1e-4  # fp32: KV-cached sampling vs one teacher-forced pass differ by ~1e-6

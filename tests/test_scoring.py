@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmppo.errors import LmppoError
-from lmppo.rollout import HFGenerator
+from lmppo.hf_engine import HFGenerator
 from lmppo.scoring import (
     CombinedReward,
     RewardModelScorer,

@@ -11,8 +11,8 @@ import torch
 from lmppo.config import SupervisedConfig
 from lmppo.core import token_logprobs
 from lmppo.errors import LmppoError
+from lmppo.hf_engine import HFGenerator
 from lmppo.loading import load_causal_lm
-from lmppo.rollout import HFGenerator
 from lmppo.sft import IGNORE, response_nll, run_sft, sft_batch, sft_features, train_sft
 from lmppo.toy.models import build_policy
 from lmppo.toy.task import demonstrations, gold_score, tokenizer_corpus, toy_datasets

@@ -18,10 +18,11 @@ from lmppo.build import build_trainer, load_models
 from lmppo.config import load_config
 from lmppo.core import token_logprobs
 from lmppo.distributed import seed_everything
+from lmppo.hf_engine import HFGenerator
 from lmppo.loading import cache_gguf_as_transformers, load_causal_lm, load_tokenizer, resolve_source
 from lmppo.models import model_identity
+from lmppo.passes import response_logits, sequence_logprobs
 from lmppo.resolve import resolve
-from lmppo.rollout import HFGenerator, response_logits, sequence_logprobs
 
 pytestmark = pytest.mark.slow
 

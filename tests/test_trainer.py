@@ -329,8 +329,8 @@ def test_a_hackable_component_rises_apart_from_one_the_policy_cannot_move():
 def test_a_shared_trunk_critic_takes_its_stored_values_from_the_decode_loop():
     """No values pass (``perf/values_s`` 0), and the step's numbers are those of the values pass."""
     from lmppo.build import generator_options
+    from lmppo.hf_engine import HFGenerator
     from lmppo.models import ValueModel
-    from lmppo.rollout import HFGenerator
 
     def shared_models():
         models = toy_models()

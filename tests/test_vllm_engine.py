@@ -27,10 +27,11 @@ from helpers import (
 from transformers import LlamaForCausalLM
 
 from lmppo.core import token_logprobs
+from lmppo.hf_engine import HFGenerator
 from lmppo.loading import load_causal_lm, load_tokenizer
 from lmppo.lora import apply_lora
 from lmppo.metrics import read_metrics
-from lmppo.rollout import HFGenerator, response_logits
+from lmppo.passes import response_logits
 
 PROMPTS = ["tell me about the cat", "write a short poem", "tell me a story", "the day was very happy"]
 TOLERANCE = 1e-4

@@ -8,7 +8,7 @@ from test_smollm2 import CACHE_DIR, PROMPTS, assert_masks_around_im_end, smollm2
 
 from lmppo.core import token_logprobs
 from lmppo.loading import cache_gguf_as_transformers, load_causal_lm, load_tokenizer
-from lmppo.rollout import response_logits
+from lmppo.passes import response_logits
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

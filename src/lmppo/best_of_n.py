@@ -20,7 +20,8 @@ from lmppo import core
 from lmppo.distributed import gathered
 from lmppo.metrics import timed
 from lmppo.models import checkpointing, trainable_parameters
-from lmppo.rollout import Rollout, rank_micro_batches, response_logprobs
+from lmppo.passes import response_logprobs
+from lmppo.rollout import Rollout, rank_micro_batches
 from lmppo.step_results import UpdateResult
 from lmppo.trainer import PPOTrainer
 

@@ -18,8 +18,9 @@ from lmppo.best_of_n import BestOfNTrainer
 from lmppo.config import Config, KLConfig, PPOConfig, RewardComponent, RewardConfig, RewardSource
 from lmppo.data import Prompt, PromptStream
 from lmppo.distributed import CommCounter, data_parallel, shard_models
-from lmppo.engines import SnapshotGenerator
+from lmppo.engines import Generator
 from lmppo.errors import LmppoError
+from lmppo.hf_engine import HFGenerator, SnapshotGenerator
 from lmppo.loading import (
     DTYPES,
     freeze,
@@ -38,11 +39,11 @@ from lmppo.models import (
     model_identity,
     trainable_parameters,
 )
+from lmppo.passes import PolicyAndValue
 from lmppo.progress import phase, size
 from lmppo.quantize import offload
 from lmppo.remote_reward import RemoteReward
 from lmppo.resolve import EngineSpec, RoleSpec, RunSpec
-from lmppo.rollout import Generator, HFGenerator, PolicyAndValue
 from lmppo.scoring import (
     CombinedReward,
     RewardModelScorer,
@@ -240,7 +241,7 @@ def load_models(cfg: Config, spec: RunSpec) -> PPOModels:
 
 
 def generator_options(cfg: Config) -> dict:
-    """:class:`~lmppo.rollout.HFGenerator`'s keywords from the config: how training samples, and so how
+    """:class:`~lmppo.hf_engine.HFGenerator`'s keywords from the config: how training samples, and so how
     every evaluation of the policy samples too."""
     r = cfg.rollout
     return {

@@ -1,9 +1,14 @@
-"""Rollout engines that sample from their own copy of the policy, and one-step-off rollouts.
+"""What every rollout engine shares: the :class:`Generator` protocol the trainer samples through, the
+weight stream an engine with its own copy of the policy is synced from, and one-step-off rollouts.
 
-An engine with its own weights (vLLM, or the transformers decode loop on a snapshot of the policy) gets
-the trained policy after every update through :func:`policy_weights`: one tensor at a time, LoRA adapters
-folded in, and under FSDP2 one unit (a decoder layer, then the rest) gathered at a time, so no rank holds
-a second whole copy beyond the engine's own.
+The engines, one module each: :mod:`lmppo.hf_engine` (the transformers decode loop, on the trained policy
+or a snapshot of it) and :mod:`lmppo.vllm_engine`. ``RunSpec.engine`` says which one a run builds
+(:func:`lmppo.build.build_generator`) and whether it owns its weights.
+
+An engine with its own weights (vLLM, or the decode loop on a snapshot) gets the trained policy after every
+update through :func:`policy_weights`: one tensor at a time, LoRA adapters folded in, and under FSDP2 one
+unit (a decoder layer, then the rest) gathered at a time, so no rank holds a second whole copy beyond the
+engine's own.
 
 ``rollout.asynchronous`` (:class:`RolloutsAhead`): while the trainer scores and updates on step k's batch,
 a worker thread samples step k+1's with the engine's weights, which are then one version behind; the
@@ -21,16 +26,52 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lmppo.data import PromptStream
+from lmppo.data import Prompt, PromptStream
 from lmppo.distributed import gathered
 from lmppo.lora import unwrap_model
-from lmppo.rollout import Generator, HFGenerator, Rollout
+from lmppo.rollout import Rollout
+
+# --------------------------------------------------------------------------------------------------
+# The protocol every engine follows
+# --------------------------------------------------------------------------------------------------
+
+
+class Generator(Protocol):
+    """A rollout engine: :class:`lmppo.hf_engine.HFGenerator`, :class:`lmppo.hf_engine.SnapshotGenerator`
+    or :class:`lmppo.vllm_engine.VLLMGenerator`. Every engine has all three methods (no optional ones)."""
+
+    def generate(
+        self, prompts: Sequence[Prompt], policy_version: int, sample_ids: Sequence[int] | None = None
+    ) -> Rollout:
+        """Sample ``prompts`` into a :class:`Rollout` recording ``policy_version`` (or the version its own
+        weights hold). ``sample_ids`` place each prompt in the prompt stream; a seeded engine draws from
+        them."""
+        ...
+
+    def sync_weights(self, policy: nn.Module, policy_version: int) -> None:
+        """Take the trained policy after an update (``RunSpec.engine.owns_weights``; else a no-op: the
+        engine samples from the trained module itself)."""
+        ...
+
+    def close(self, abandon: bool = False) -> None:
+        """Release the engine (vLLM: before the process group ends); ``abandon``: the run failed and a rank
+        may be gone, so no collective teardown."""
+        ...
+
+
+def sample_seed(seed: int, sample_id: int) -> int:
+    """The sampling seed of one response (or of a batch, from its first): the run's seed and the sample's
+    place in the prompt stream, so a sample draws the same tokens on any number of ranks and before and
+    after a resume."""
+    return (seed << 32) + sample_id
+
 
 # --------------------------------------------------------------------------------------------------
 # The weight stream
@@ -72,33 +113,6 @@ def _folded_weights(
         for name, param in module.named_parameters(prefix=prefix):
             if kept(name) and "lora_" not in name and not name.endswith(".base_layer.weight"):
                 yield name.replace(".base_layer.", "."), param.detach()
-
-
-# --------------------------------------------------------------------------------------------------
-# The transformers decode loop on a snapshot of the policy
-# --------------------------------------------------------------------------------------------------
-
-
-class SnapshotGenerator(HFGenerator):
-    """:class:`HFGenerator` on ``snapshot``, a plain copy of the policy's transformers model that
-    :meth:`sync_weights` overwrites after each update: ``engine: hf`` with ``rollout.asynchronous``, where
-    the trained module changes while the next batch is sampled. Costs one more copy of the policy's
-    weights; its draws are seeded per batch (``seed``)."""
-
-    def __init__(self, snapshot: nn.Module, tokenizer, *, seed: int, **options) -> None:
-        super().__init__(snapshot.eval().requires_grad_(False), tokenizer, seed=seed, **options)
-        self.synced_version = 0
-
-    def generate(self, prompts, policy_version: int, sample_ids: Sequence[int] | None = None) -> Rollout:
-        """Sample with the snapshot; the rollout records the version the snapshot holds."""
-        return super().generate(prompts, self.synced_version, sample_ids)
-
-    def sync_weights(self, policy: nn.Module, policy_version: int) -> None:
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in policy_weights(policy):
-                params[name].copy_(tensor)
-        self.synced_version = policy_version
 
 
 # --------------------------------------------------------------------------------------------------

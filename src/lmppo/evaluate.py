@@ -34,12 +34,15 @@ from lmppo.config import Config, load_config
 from lmppo.core import kl_estimate
 from lmppo.data import Prompt, load_demonstrations, load_prompts
 from lmppo.distributed import all_sum, failing_together, gather_objects, gathered
+from lmppo.engines import Generator
 from lmppo.errors import LmppoError, user_code_error
+from lmppo.hf_engine import HFGenerator
 from lmppo.loading import load_causal_lm, load_tokenizer
 from lmppo.models import autocast, eval_mode
+from lmppo.passes import sequence_logprobs
 from lmppo.progress import advance
 from lmppo.resolve import RunSpec, frozen_policy_source, resolve
-from lmppo.rollout import Generator, HFGenerator, Rollout, sequence_logprobs
+from lmppo.rollout import Rollout
 from lmppo.scoring import RewardFunction, load_function
 from lmppo.sft import response_nll_sum
 

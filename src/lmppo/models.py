@@ -191,7 +191,7 @@ class ValueModel(nn.Module):
         """A zero-initialised value head on the policy's backbone (shared trunk; LoRA layers included).
 
         Train it with ``trainable_parameters(policy, value_model)`` and get log-probs and values from one
-        backbone pass with :func:`lmppo.rollout.policy_logprobs_and_values`.
+        backbone pass with :func:`lmppo.passes.policy_logprobs_and_values`.
         """
         backbone = policy.get_decoder()
         return cls(backbone, _zero_head(backbone, policy.config.hidden_size), shared_trunk=True)

@@ -24,13 +24,13 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from lmppo.config import Config, ModelSource, load_config
 from lmppo.data import load_prompts, render_query_ids
 from lmppo.errors import LmppoError
+from lmppo.hf_engine import prompt_room
 from lmppo.loading import DTYPES, load_model_config, load_tokenizer, resolve_source, weight_files
 from lmppo.lora import with_lora
 from lmppo.models import make_value_model
 from lmppo.progress import size
 from lmppo.quantize import QUANTIZED_BYTES, quantizable_linears
 from lmppo.resolve import EngineSpec, RoleSpec, RunSpec, check_batches, frozen_sections, resolve
-from lmppo.rollout import prompt_room
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = GIB // 2  # the CUDA context and kernels: outside torch's allocator

