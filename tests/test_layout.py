@@ -1,9 +1,10 @@
 """The codebase's shape: every module imports, none takes part in an import cycle, each is in the module
-table of docs/architecture.md."""
+table of docs/architecture.md and on one layer of its layer table, and no import points up a layer."""
 
 import ast
 import importlib
 import pkgutil
+import re
 from pathlib import Path
 
 import lmppo
@@ -92,3 +93,52 @@ def test_every_module_has_a_row_in_the_architecture_table():
     top_level = {name.split(".")[1] for name in lmppo_modules() if name not in ("lmppo", "lmppo.__main__")}
     missing = [m for m in sorted(top_level) if f"`{m}.py`" not in table and f"`{m}/`" not in table]
     assert not missing, f"docs/architecture.md has no row for {missing}"
+
+
+def architecture_layers() -> dict[str, int]:
+    """docs/architecture.md's layer table: module (``lmppo.`` name) -> its layer's number (a module listed
+    twice is an error)."""
+    text = ARCHITECTURE.read_text().split("<!-- layers: read by tests/test_layout.py -->", 1)[1]
+    table = text.strip().split("\n\n", 1)[0].splitlines()[2:]  # the rows under the header and its rule
+    layers = {}
+    for line in table:
+        number, modules = line.split("|")[1:3]
+        for module in re.findall(r"`([a-z_]+)`", modules):
+            assert f"lmppo.{module}" not in layers, f"{module} stands on two layers"
+            layers[f"lmppo.{module}"] = int(number.split()[0])
+    return layers
+
+
+def layer_of(name: str, layers: dict[str, int]) -> int:
+    """A module's layer; a package's submodules (``lmppo.toy.task``) stand on the package's."""
+    if name == "lmppo":  # the package's public names come from the top: the API
+        return max(layers.values())
+    return layers[name] if name in layers else layers[name.rsplit(".", 1)[0]]
+
+
+def test_every_module_stands_on_exactly_one_layer():
+    layers = architecture_layers()
+    top_level = {".".join(name.split(".")[:2]) for name in lmppo_modules() if name != "lmppo"}
+    assert sorted(top_level - set(layers)) == [], "modules with no layer in docs/architecture.md"
+    assert sorted(set(layers) - top_level) == [], "layers name modules that do not exist"
+
+
+def test_no_module_imports_one_on_a_higher_layer():
+    upward = upward_imports(import_graph(), architecture_layers())
+    assert upward == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"lmppo.core": {"lmppo.trainer"}, "lmppo.trainer": {"lmppo.core"}}
+    assert upward_imports(graph, {"lmppo.core": 1, "lmppo.trainer": 6}) == [
+        "lmppo.core (layer 1) imports lmppo.trainer (layer 6)"
+    ]
+
+
+def upward_imports(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    return [
+        f"{name} (layer {layer_of(name, layers)}) imports {imported} (layer {layer_of(imported, layers)})"
+        for name, imports in graph.items()
+        for imported in sorted(imports)
+        if layer_of(imported, layers) > layer_of(name, layers)
+    ]
