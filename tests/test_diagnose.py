@@ -6,7 +6,8 @@ import pytest
 from helpers import run_cli
 
 from lmppo.config import DiagnosisConfig, GuardsConfig
-from lmppo.diagnose import RULES, LiveDiagnosis, diagnose, nonfinite_cause
+from lmppo.diagnose import RULES, LiveDiagnosis, diagnose
+from lmppo.failure_modes import nonfinite_mode
 from lmppo.guards import Guards
 
 STEPS = 40
@@ -98,6 +99,14 @@ def test_more_failures_and_other_length_modes():
     assert "over_optimisation" in found and "data.eval_prompts" in found["over_optimisation"].fix
 
 
+def test_one_step_off_rollouts_are_not_stale_and_a_longer_lag_is():
+    asynchronous = history(lag__policy_versions=lambda s: 1.0)  # one version behind, by design
+    assert diagnose(asynchronous) == []
+    found = {f.rule: f for f in diagnose(history(lag__policy_versions=lambda s: 2.0 if s > 30 else 1.0))}
+    assert "stale_batches" in found and found["stale_batches"].steps == (31, STEPS)
+    assert "rollout.max_rollout_age" in found["stale_batches"].fix
+
+
 def test_a_reward_that_favours_cut_responses_is_a_bias_and_one_that_favours_ending_is_not():
     assert "reward_bias" in {f.rule for f in diagnose(history(preflight__eos_corr=lambda s: -0.7))}
     assert diagnose(history(preflight__eos_corr=lambda s: 0.7)) == []
@@ -147,4 +156,4 @@ def test_the_guard_and_the_rule_blame_what_went_non_finite_first():
     guards = Guards(GuardsConfig(nonfinite_patience=1))
     fired = guards.check(7, {"policy/loss": math.nan, "policy/grad_norm": math.nan})
     assert "the update overflowed" in fired.message and "ppo.lr" in fired.message
-    assert nonfinite_cause(["reward/rm_score", "adv/mean"])[0] == "the reward produced non-finite scores"
+    assert nonfinite_mode(["reward/rm_score", "adv/mean"]).cause == "the reward produced non-finite scores"

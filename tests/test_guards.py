@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import pytest
 
 from lmppo.config import GuardsConfig
-from lmppo.guards import BOUNDS, Guards
+from lmppo.failure_modes import BOUNDS
+from lmppo.guards import Guards
 
 HEALTHY = {
     "reward/rm_score": 0.3,
@@ -27,7 +28,7 @@ def _cfg(**fields):
         nonfinite_patience=3,
         warmup_steps=0,
         reward_without_eval_patience=None,
-        **{bound.field: None for bound in BOUNDS},
+        **{bound.stop.key: None for bound in BOUNDS},
     )
     return SimpleNamespace(**(base | fields))
 
@@ -46,7 +47,7 @@ FAILURES = [
 
 
 def test_every_threshold_rule_is_covered():
-    assert {f[0] for f in FAILURES} == {bound.field for bound in BOUNDS}
+    assert {f[0] for f in FAILURES} == {bound.stop.key for bound in BOUNDS}
 
 
 @pytest.mark.parametrize("field,threshold,metric,bad,rule", FAILURES)

@@ -1,8 +1,9 @@
 """Abort rules checked on every step's globally reduced metrics (``GuardsConfig``; ``None`` = off).
 
-A fired rule returns a :class:`GuardViolation` whose message names the rule, the observed value,
-the threshold and what usually causes it; the trainer then saves an ``aborted`` checkpoint and
-points at the last good one. Ranges and reasoning: docs/metrics.md.
+Each rule is the stop threshold of a row of :mod:`lmppo.failure_modes`, the table the diagnosis reads too.
+A fired rule returns a :class:`GuardViolation` whose message names the rule, the observed value, the
+threshold and the row's likely cause and fix; the trainer then saves an ``aborted`` checkpoint and points at
+the last good one. Ranges and reasoning: docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lmppo.diagnose import nonfinite_cause
+from lmppo.failure_modes import (
+    BOUNDS,
+    HELD_OUT_SCORES,
+    REWARD_HACKING,
+    FailureMode,
+    nonfinite_mode,
+)
 
 
 @dataclass(frozen=True)
@@ -26,70 +33,19 @@ class GuardViolation:
         return self.message
 
 
-@dataclass(frozen=True)
-class _Bound:
-    """A threshold on one metric: fires when the metric is above (``upper``) or below the threshold."""
-
-    rule: str
-    metric: str
-    field: str  # GuardsConfig attribute holding the threshold
-    upper: bool
-    after_warmup: bool  # noisy while the run (and a fresh critic) settles
-    advice: str
-
-
-BOUNDS = (
-    _Bound(
-        "value_divergence", "value/loss", "value_loss_max", True, True,
-        "the critic is diverging; lower ppo.value_lr or ppo.vf_coef, keep ppo.value_clip_eps, "
-        "or tame the reward scale (reward.normalize, reward.clip)",
-    ),
-    _Bound(
-        "kl_budget", "kl/ref", "kl_max", True, False,
-        "the policy drifted from the reference beyond the budget, often by exploiting the reward model; "
-        "raise kl.beta (or use kl.adaptive with a lower kl.target) or lower ppo.lr",
-    ),
-    _Bound(
-        "entropy_collapse", "policy/entropy", "entropy_min", False, True,
-        "the policy became nearly deterministic (mode collapse); lower ppo.lr, raise kl.beta "
-        "or add an entropy bonus (ppo.ent_coef)",
-    ),
-    _Bound(
-        "length_min", "response/length", "length_min", False, True,
-        "responses shrank, usually a reward that favours short answers or a KL penalty paid per token; "
-        "check the reward by length slice and raise kl.beta",
-    ),
-    _Bound(
-        "length_max", "response/length", "length_max", True, True,
-        "responses grew long, the classic length bias of reward models; check the reward by length "
-        "slice, set reward.missing_eos_penalty, raise kl.beta",
-    ),
-    _Bound(
-        "eos_collapse", "response/eos_frac", "eos_frac_min", False, True,
-        "responses stopped ending with EOS and run into rollout.max_new_tokens; set "
-        "reward.missing_eos_penalty, raise kl.beta or rollout.max_new_tokens",
-    ),
-    _Bound(
-        "clip_fraction", "policy/clip_frac", "clip_frac_max", True, True,
-        "most tokens hit the clip range: updates are too large for the trust region; lower ppo.lr, "
-        "use fewer ppo.ppo_epochs or set ppo.target_approx_kl",
-    ),
-    _Bound(
-        "policy_lag", "lag/policy_versions", "max_policy_lag", True, False,
-        "rollouts are too stale for the importance ratio to be trusted; use fewer ppo.ppo_epochs or "
-        "minibatches per rollout, or a lower rollout.max_rollout_age",
-    ),
-)  # fmt: skip
-
-
 def _fmt(x: float) -> str:
     return f"{x:.4g}"
+
+
+def _advice(mode: FailureMode) -> str:
+    return f"Likely: {mode.cause}; change: {mode.fix}."
 
 
 def held_out_score(metrics: Mapping[str, float]) -> tuple[str, float] | None:
     """(metric, value) of the held-out score the guards and the best checkpoint follow: the judge's,
     else the RM's; None when the record has no finite one."""
-    metric = "eval/gold_score" if "eval/gold_score" in metrics else "eval/reward/rm_score"
+    judge, rm = HELD_OUT_SCORES
+    metric = judge if judge in metrics else rm
     value = metrics.get(metric)
     return (metric, value) if value is not None and math.isfinite(value) else None
 
@@ -140,7 +96,7 @@ class Guards:
     def _record(self, metrics: Mapping[str, float], any_nonfinite: bool) -> None:
         bad_step = any_nonfinite or metrics.get("health/nonfinite", 0) > 0
         self.nonfinite_streak = self.nonfinite_streak + 1 if bad_step else 0
-        rm_score, patience = metrics.get("reward/rm_score"), self.cfg.reward_without_eval_patience
+        rm_score, patience = metrics.get(REWARD_HACKING.stop.metric), self._stop(REWARD_HACKING)
         if patience is None:
             return
         if rm_score is not None and math.isfinite(rm_score):
@@ -154,6 +110,10 @@ class Guards:
         self.evals = [*self.evals, (*self._rm_window_mean_and_sem(), heldout)][-(patience + 1) :]
         self._rm_sum, self._rm_sq_sum, self._rm_count = 0.0, 0.0, 0
 
+    def _stop(self, mode: FailureMode) -> float | None:
+        """The stop threshold of ``mode`` in the config (None: the rule is off)."""
+        return getattr(self.cfg, mode.stop.key)
+
     def _rm_window_mean_and_sem(self) -> tuple[float, float]:
         """The mean training RM score of the steps since the previous evaluation and its standard error
         (from the spread of those steps' scores; 0 for a single step)."""
@@ -164,43 +124,43 @@ class Guards:
     def _check_nonfinite(
         self, step: int, metrics: Mapping[str, float], names: list[str]
     ) -> GuardViolation | None:
-        patience = self.cfg.nonfinite_patience
+        mode = nonfinite_mode(names)
+        patience, count = self._stop(mode), mode.stop.metric
         if self.nonfinite_streak < patience:
             return None
-        seen = ", ".join(names) or f"health/nonfinite = {_fmt(metrics['health/nonfinite'])}"
-        cause, fix = nonfinite_cause(names)
+        seen = ", ".join(names) or f"{count} = {_fmt(metrics[count])}"
         return GuardViolation(
-            "nonfinite",
+            mode.guard,
             float(self.nonfinite_streak),
             float(patience),
-            f"guard 'nonfinite' fired at step {step}: non-finite values in {self.nonfinite_streak} consecutive "
-            f"steps (guards.nonfinite_patience = {patience}); this step: {seen}. Likely cause: {cause}; "
-            f"change: {fix}.",
+            f"guard {mode.guard!r} fired at step {step}: non-finite values in {self.nonfinite_streak} "
+            f"consecutive steps (guards.{mode.stop.key} = {patience}); this step: {seen}. {_advice(mode)}",
         )
 
     def _check_bounds(
         self, step: int, metrics: Mapping[str, float], warmup: bool = True
     ) -> GuardViolation | None:
-        for bound in BOUNDS:
-            threshold, value = getattr(self.cfg, bound.field), metrics.get(bound.metric)
+        for mode in BOUNDS:
+            stop, threshold = mode.stop, self._stop(mode)
+            value = metrics.get(stop.metric)
             if threshold is None or value is None or not math.isfinite(value):
                 continue
-            if warmup and bound.after_warmup and step <= self.cfg.warmup_steps:
+            if warmup and mode.after_warmup and step <= self.cfg.warmup_steps:
                 continue
-            if value > threshold if bound.upper else value < threshold:
-                side = ">" if bound.upper else "<"
+            if value > threshold if stop.upper else value < threshold:
+                side = ">" if stop.upper else "<"
                 return GuardViolation(
-                    bound.rule,
+                    mode.guard,
                     float(value),
                     float(threshold),
-                    f"guard {bound.rule!r} fired at step {step}: {bound.metric} = {_fmt(value)} {side} "
-                    f"guards.{bound.field} = {_fmt(threshold)}. Likely: {bound.advice}. If the threshold is "
-                    f"wrong for this task, change guards.{bound.field} (null turns the rule off).",
+                    f"guard {mode.guard!r} fired at step {step}: {stop.metric} = {_fmt(value)} {side} "
+                    f"guards.{stop.key} = {_fmt(threshold)}. {_advice(mode)} If the threshold is wrong for "
+                    f"this task, change guards.{stop.key} (null turns the rule off).",
                 )
         return None
 
     def _check_reward_without_eval(self, step: int) -> GuardViolation | None:
-        patience = self.cfg.reward_without_eval_patience
+        patience = self._stop(REWARD_HACKING)
         if patience is None or len(self.evals) < patience + 1:
             return None
         (rm_first, sem_first, heldout_first), *later = self.evals
@@ -212,16 +172,15 @@ class Guards:
         heldout_gain = max(heldout for *_, heldout in later) - heldout_first
         if rm_rise <= rm_noise or heldout_gain > 0:
             return None
+        mode = REWARD_HACKING
         return GuardViolation(
-            "reward_without_eval",
+            mode.guard,
             heldout_gain,
             0.0,
-            f"guard 'reward_without_eval' fired at step {step}: over the last {patience} evaluations the "
-            f"training RM score rose by {_fmt(rm_rise)} (beyond its noise, {_fmt(rm_noise)}) while the held-out "
-            f"score (eval/gold_score, else eval/reward/rm_score) never beat {_fmt(heldout_first)} (best change "
-            f"{_fmt(heldout_gain)}). The policy is likely exploiting the reward model; raise kl.beta, improve "
-            "the reward model, or keep the last good checkpoint. To tolerate it, raise "
-            "guards.reward_without_eval_patience (null: off).",
+            f"guard {mode.guard!r} fired at step {step}: over the last {patience} evaluations the training RM "
+            f"score rose by {_fmt(rm_rise)} (beyond its noise, {_fmt(rm_noise)}) while the held-out score "
+            f"({', else '.join(HELD_OUT_SCORES)}) never beat {_fmt(heldout_first)} (best change "
+            f"{_fmt(heldout_gain)}). {_advice(mode)} To tolerate it, raise guards.{mode.stop.key} (null: off).",
         )
 
     def state_dict(self) -> dict[str, Any]:
