@@ -33,7 +33,7 @@ def worker(args) -> dict:
     from lmppo.loading import cache_gguf_as_transformers
     from lmppo.plan import memory_plan
     from lmppo.resolve import resolve
-    from lmppo.rollout import Rollout
+    from lmppo.rollout import EstimatedRollout, Rollout
 
     sys.path.insert(0, str(ROOT / "tests"))
     from test_smollm2 import CACHE_DIR, smollm2_gguf
@@ -75,7 +75,14 @@ def worker(args) -> dict:
         temperature=0.7,
     )
     zeros = torch.zeros(args.rows, args.response)
-    rollout.advantages, rollout.values, rollout.returns = torch.randn(args.rows, args.response), zeros, zeros
+    rollout = EstimatedRollout.after(
+        rollout,
+        values=zeros,
+        rm_score=torch.zeros(args.rows),
+        logp_ref=zeros,
+        advantages=torch.randn(args.rows, args.response),
+        returns=zeros,
+    )
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     started = time.perf_counter()
     with trainer.autocast():

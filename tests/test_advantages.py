@@ -6,18 +6,22 @@ import pytest
 import torch
 from helpers import BASE
 
-from lmppo.advantages import fill_advantages
+from lmppo.advantages import advantages_of
 from lmppo.config import load_config
 from lmppo.resolve import resolve
-from lmppo.rollout import Rollout
+from lmppo.rollout import EstimatedRollout, Rollout, ScoredRollout
+from lmppo.step_results import RewardEstimates
 
 
-def scored_rollout(response_mask: list[list[float]], kl_per_token: float) -> Rollout:
-    """A rollout whose every response token has ``logp_old - logp_ref = kl_per_token`` (k1)."""
+def estimate(
+    response_mask: list[list[float]], kl_per_token: float, scores: list[float], *overrides: str
+) -> tuple[EstimatedRollout, RewardEstimates]:
+    """The estimator on a scored rollout whose every response token has ``logp_old - logp_ref =
+    kl_per_token`` (k1), with beta 0.5."""
     mask = torch.tensor(response_mask)
     rows, width = mask.shape
     logp_old = torch.full((rows, width), -1.0)
-    return Rollout(
+    sampled = Rollout(
         query_ids=torch.ones(rows, 1, dtype=torch.long),
         query_mask=torch.ones(rows, 1, dtype=torch.long),
         response_ids=torch.ones(rows, width, dtype=torch.long),
@@ -28,75 +32,81 @@ def scored_rollout(response_mask: list[list[float]], kl_per_token: float) -> Rol
         created_at=time.time(),
         prompts=["p"] * rows,
         response_texts=[""] * rows,
-        logp_ref=logp_old - kl_per_token,
     )
-
-
-def estimate(rollout: Rollout, scores: list[float], *overrides: str):
+    scored = ScoredRollout.after(sampled, rm_score=torch.tensor(scores), logp_ref=logp_old - kl_per_token)
     cfg = load_config(
         base=BASE, overrides=["kl.beta=0.5", "rollout.batch_size=2", "ppo.minibatch_size=1", *overrides]
     )
-    return fill_advantages(rollout, torch.tensor(scores), 0.5, cfg, resolve(cfg, device="cpu"))
+    return advantages_of(scored, 0.5, cfg, resolve(cfg, device="cpu"))
 
 
 def test_rloo_takes_the_other_samples_mean_and_sums_the_kl_penalty_to_go():
     """Two prompts, two samples each: scores (1, 2) and (3, 6), so leave-one-out gives (-1, 1, -3, 3);
     each response token pays -beta * 0.2 = -0.1, and each token's advantage is its reward-to-go."""
-    rollout = scored_rollout([[1, 1], [1, 0], [1, 1], [1, 1]], kl_per_token=0.2)
-    estimates = estimate(rollout, [1.0, 2.0, 3.0, 6.0], "ppo.advantage=rloo", "rollout.samples_per_prompt=2")
+    estimated, estimates = estimate(
+        [[1, 1], [1, 0], [1, 1], [1, 1]],
+        0.2,
+        [1.0, 2.0, 3.0, 6.0],
+        "ppo.advantage=rloo",
+        "rollout.samples_per_prompt=2",
+    )
     expected = torch.tensor([[-1.2, -1.1], [0.9, 0.0], [-3.2, -3.1], [2.8, 2.9]])
-    torch.testing.assert_close(rollout.advantages, expected)  # not whitened: already on the group's scale
-    torch.testing.assert_close(rollout.returns, expected)  # no critic: the return is the advantage
+    torch.testing.assert_close(estimated.advantages, expected)  # not whitened: already on the group's scale
+    torch.testing.assert_close(estimated.returns, expected)  # no critic: the return is the advantage
     assert estimates.flat_groups.tolist() == [False] * 4
-    torch.testing.assert_close(estimates.rm_score, torch.tensor([1.0, 2.0, 3.0, 6.0]))  # logged unbaselined
+    torch.testing.assert_close(estimated.rm_score, torch.tensor([1.0, 2.0, 3.0, 6.0]))  # logged unbaselined
 
 
 @pytest.mark.parametrize(("advantage", "scale"), [("grpo", 0.5**0.5), ("dr_grpo", 1.0)])
 def test_grpo_divides_by_the_group_std_and_dr_grpo_does_not(advantage, scale):
     """Scores (0, 2): centred (-1, 1), and the unbiased std of two samples 2 apart is sqrt(2); no KL."""
-    rollout = scored_rollout([[1, 1], [1, 1]], kl_per_token=0.0)
-    estimate(
-        rollout,
+    estimated, estimates = estimate(
+        [[1, 1], [1, 1]],
+        0.0,
         [0.0, 2.0],
         f"ppo.advantage={advantage}",
         "rollout.samples_per_prompt=2",
         "rollout.batch_size=1",
     )
     expected = torch.tensor([[-scale, -scale], [scale, scale]])
-    torch.testing.assert_close(rollout.advantages, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(estimated.advantages, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_reinforce_pp_whitens_the_kl_shaped_return_over_the_batch():
     """Scores (1, 0), -0.1 per token: returns (0.8, 0.9) and (-0.2, -0.1); whitened with their mean 0.35
     and population std 0.502."""
-    rollout = scored_rollout([[1, 1], [1, 1]], kl_per_token=0.2)
-    estimate(rollout, [1.0, 0.0], "ppo.advantage=reinforce_pp")
+    estimated, estimates = estimate([[1, 1], [1, 1]], 0.2, [1.0, 0.0], "ppo.advantage=reinforce_pp")
     returns = torch.tensor([[0.8, 0.9], [-0.2, -0.1]])
-    torch.testing.assert_close(rollout.returns, returns)
+    torch.testing.assert_close(estimated.returns, returns)
     std = ((returns - 0.35) ** 2).mean().sqrt()
-    torch.testing.assert_close(rollout.advantages, (returns - 0.35) / std, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(estimated.advantages, (returns - 0.35) / std, atol=1e-5, rtol=1e-5)
 
 
 def test_reinforce_pp_baseline_centres_each_group_then_whitens_over_the_batch():
     """REINFORCE++-baseline (the group's mean, the batch's std): scores (1, 3) and (10, 10) centre to
     (-1, 1) and (0, 0); -0.1 per token gives returns (-1.2, -1.1), (0.8, 0.9), (-0.2, -0.1) twice, whitened
     over all eight tokens (the flat group keeps its KL term, and the batch's std, not its own, scales it)."""
-    rollout = scored_rollout([[1, 1]] * 4, kl_per_token=0.2)
-    estimates = estimate(
-        rollout,
+    estimated, estimates = estimate(
+        [[1, 1]] * 4,
+        0.2,
         [1.0, 3.0, 10.0, 10.0],
         "ppo.advantage=reinforce_pp_baseline",
         "rollout.samples_per_prompt=2",
     )
     returns = torch.tensor([[-1.2, -1.1], [0.8, 0.9], [-0.2, -0.1], [-0.2, -0.1]])
-    torch.testing.assert_close(rollout.returns, returns)
+    torch.testing.assert_close(estimated.returns, returns)
     mean, std = returns.mean(), returns.std(unbiased=False)
-    torch.testing.assert_close(rollout.advantages, (returns - mean) / std, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(estimated.advantages, (returns - mean) / std, atol=1e-5, rtol=1e-5)
     assert estimates.flat_groups.tolist() == [False, False, True, True]
 
 
 def test_a_group_that_scored_alike_is_flat_and_gets_only_the_kl_term():
-    rollout = scored_rollout([[1, 1], [1, 1], [1, 1], [1, 1]], kl_per_token=0.2)
-    estimates = estimate(rollout, [1.0, 1.0, 0.0, 3.0], "ppo.advantage=rloo", "rollout.samples_per_prompt=2")
+    estimated, estimates = estimate(
+        [[1, 1], [1, 1], [1, 1], [1, 1]],
+        0.2,
+        [1.0, 1.0, 0.0, 3.0],
+        "ppo.advantage=rloo",
+        "rollout.samples_per_prompt=2",
+    )
     assert estimates.flat_groups.tolist() == [True, True, False, False]
-    torch.testing.assert_close(rollout.advantages[:2], torch.tensor([[-0.2, -0.1], [-0.2, -0.1]]))
+    torch.testing.assert_close(estimated.advantages[:2], torch.tensor([[-0.2, -0.1], [-0.2, -0.1]]))

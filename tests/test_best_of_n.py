@@ -32,9 +32,8 @@ def test_the_best_of_each_group_is_kept_first_of_ties_and_above_the_threshold():
 def test_a_round_fine_tunes_on_the_winners_and_their_likelihood_rises():
     trainer = toy_trainer(*BON, "ppo.lr=1e-2", "best_of_n.epochs=4")
     assert trainer.value_model is None
-    rollout = trainer.collect_rollout()
-    estimates = trainer.score_and_estimate(rollout)
-    winners = rollout.select(best_of_groups(estimates.rm_score, 4))
+    scored, _ = trainer.score(trainer.collect_rollout())
+    winners = scored.select(best_of_groups(scored.rm_score, 4))
     first = trainer.fine_tune(winners)
     losses = [trainer.sft_update(winners)[0] for _ in range(3)]
     assert first.updates == 4 and first.policy_moved

@@ -72,6 +72,12 @@ class FixedRollouts:
     def generate(self, prompts, policy_version, sample_ids=None):
         return dataclasses.replace(self.rollout, policy_version=policy_version)
 
+    def sync_weights(self, policy, policy_version):
+        pass  # samples nothing: there are no weights to take
+
+    def close(self, abandon=False):
+        pass
+
 
 def fixed_global_rollout(tmp_path):
     """A sampled batch of BATCH responses, written to a file and read back as every run's input."""
@@ -126,13 +132,13 @@ def ppo_step(rank: int, world: int, rollout, overrides=(), variant="full") -> di
         world_size=world,
     )
     collected = {}
+    update = trainer.update
 
-    def keep(rollout):  # the rollout that the trainer scores (and fills in the advantages of)
-        collected["rollout"] = rollout
-        return rollout
+    def keep(estimated, *args):  # the record the estimator made, on its way into the update
+        collected["rollout"] = estimated
+        return update(estimated, *args)
 
-    generate = trainer.generator.generate
-    trainer.generator.generate = lambda *args: keep(generate(*args))
+    trainer.update = keep
     metrics = reduce_metrics(trainer.step(), group)
     return {
         "advantages": collected["rollout"].advantages,

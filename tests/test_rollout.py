@@ -3,6 +3,8 @@ and each rank's balanced share."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 from rollout_samples import PROMPTS, generate
 
 from lmppo.rollout import (
+    EstimatedRollout,
     balanced_assignment,
     concat_rollouts,
     response_mask_from_ids,
@@ -72,7 +75,7 @@ def test_balanced_assignment_evens_out_the_ranks_tokens():
 
 def test_concat_rollouts_pads_each_part_and_keeps_every_real_token(policy_tokenizer, policy_model):
     rollout = generate(policy_model, policy_tokenizer, prompts=PROMPTS * 2, max_new_tokens=8, seed=1)
-    rollout.values = torch.randn(rollout.response_ids.shape)
+    rollout = dataclasses.replace(rollout, values=torch.randn(rollout.response_ids.shape))
     parts = [trim_padding(rollout.select(slice(0, 3))), trim_padding(rollout.select(slice(3, None)))]
     whole = concat_rollouts(parts)
     assert whole.prompts == rollout.prompts and whole.response_texts == rollout.response_texts
@@ -104,12 +107,20 @@ def test_token_budget_groups_respect_the_budget_and_cover_every_row():
 
 
 def test_select_minibatches_and_to(policy_tokenizer, policy_model):
-    rollout = generate(policy_model, policy_tokenizer, prompts=PROMPTS * 2)
-    rollout.advantages = torch.arange(len(rollout), dtype=torch.float32)[:, None].expand(-1, 3)
+    sampled = generate(policy_model, policy_tokenizer, prompts=PROMPTS * 2)
+    rows = torch.arange(len(sampled), dtype=torch.float32)
+    rollout = EstimatedRollout.after(  # the last stage's record: every stage's fields follow the rows
+        sampled,
+        rm_score=rows,
+        logp_ref=sampled.logp_old,
+        advantages=rows[:, None].expand(-1, 3),
+        returns=rows[:, None].expand(-1, 3),
+    )
     picked = rollout.select([5, 1])
+    assert type(picked) is EstimatedRollout
     assert len(picked) == 2 and picked.prompts == [rollout.prompts[5], rollout.prompts[1]]
     assert torch.equal(picked.logp_old, rollout.logp_old[[5, 1]])
-    assert picked.advantages[:, 0].tolist() == [5.0, 1.0]
+    assert picked.advantages[:, 0].tolist() == [5.0, 1.0] and picked.rm_score.tolist() == [5.0, 1.0]
     assert picked.response_texts == [rollout.response_texts[5], rollout.response_texts[1]]
     batches = list(rollout.minibatches(3, shuffle_generator=torch.Generator().manual_seed(0)))
     assert [len(mb) for mb in batches] == [3, 3, 2]

@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import PROMPTS, toy_models, toy_trainer
 
+from lmppo.advantages import estimate
 from lmppo.errors import LmppoError
 from lmppo.lora import make_reference
 from lmppo.metrics import METRIC_NAMES
@@ -109,7 +110,17 @@ def test_approx_kl_early_stop_cuts_the_epochs():
     assert relaxed.step()["policy/epochs"] == 4
 
 
-class StaleGenerator:
+class Wrapped:
+    """A generator around another: syncing and closing are the inner one's (the Generator protocol)."""
+
+    def sync_weights(self, policy, policy_version):
+        self.inner.sync_weights(policy, policy_version)
+
+    def close(self, abandon=False):
+        self.inner.close(abandon)
+
+
+class StaleGenerator(Wrapped):
     """Wraps a generator and stamps its rollouts as sampled ``age`` policy versions ago."""
 
     def __init__(self, inner, ages):
@@ -123,7 +134,7 @@ class StaleGenerator:
         )
 
 
-class OffByEngine:
+class OffByEngine(Wrapped):
     """Samples like the trainer but reports log-probs shifted by ``shift``, as a mismatched engine would."""
 
     def __init__(self, inner, shift):
@@ -401,7 +412,8 @@ def test_sequence_mean_weighs_every_response_alike_where_token_mean_weighs_every
         trainer = toy_trainer(f"ppo.loss_aggregation={aggregation}")
         torch.manual_seed(3)
         rollout = trainer.generator.generate(PROMPTS * 2, trainer.policy_version)
-        trainer.score_and_estimate(rollout)
+        scored, scores = trainer.score(rollout)
+        rollout, _ = estimate(scored, scores, trainer.kl_controller.value, trainer.cfg, trainer.spec)
         rollout = rollout.select(torch.arange(len(rollout)))  # as a minibatch: out of inference mode
         mask, advantages = rollout.response_mask, rollout.advantages
         assert 0 < mask.sum(1).min() < mask.sum(1).max()  # ragged responses

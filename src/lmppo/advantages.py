@@ -20,51 +20,46 @@ import torch
 from lmppo import core
 from lmppo.config import Config
 from lmppo.resolve import RunSpec
-from lmppo.rollout import Rollout
-from lmppo.step_results import RewardEstimates
+from lmppo.rollout import EstimatedRollout, ScoredRollout
+from lmppo.step_results import RewardEstimates, Scores, estimate_metrics
 
 
-def fill_advantages(
-    rollout: Rollout, rm_score: torch.Tensor, beta: float, cfg: Config, spec: RunSpec, group=None
-) -> RewardEstimates:
-    """Shaped rewards, advantages and returns of a scored rollout (``logp_ref`` and, with a critic,
-    ``values`` filled in), written into it; what they were computed from, for the metrics."""
-    mask, logp_old = rollout.response_mask, rollout.logp_old_for_update
-    estimator, bootstrap_value = spec.estimator, rollout.bootstrap_value
-    # A truncated row either ends the episode (scored, nothing after it) or is unfinished (its future,
-    # score included, is V(s_after)): never both, or truncation would be paid twice.
-    if not estimator.bootstrap_truncated:
+def estimate(
+    scored: ScoredRollout, scores: Scores, beta: float, cfg: Config, spec: RunSpec, group=None
+) -> tuple[EstimatedRollout, dict[str, float]]:
+    """The advantages and returns of a scored rollout, and the estimator's metrics."""
+    estimated, estimates = advantages_of(scored, beta, cfg, spec, group)
+    return estimated, estimate_metrics(estimated, estimates, scores.kl_per_token, group)
+
+
+def advantages_of(
+    scored: ScoredRollout, beta: float, cfg: Config, spec: RunSpec, group=None
+) -> tuple[EstimatedRollout, RewardEstimates]:
+    """Shaped rewards, advantages and returns of ``scored`` as ``spec.estimator`` says; what they were
+    computed from, for the metrics."""
+    mask, logp_old, rm_score = scored.action_mask, scored.logp_old_for_update, scored.rm_score
+    estimator, bootstrap_value = spec.estimator, scored.bootstrap_value
+    if not estimator.bootstrap_truncated:  # a truncated row ends there, scored (the score stage decided)
         bootstrap_value = None if bootstrap_value is None else torch.zeros_like(bootstrap_value)
-    else:
-        rm_score = torch.where(rollout.terminated, rm_score, 0.0)
-    kl_per_token = torch.where(
-        mask.bool(), core.kl_estimate(logp_old, rollout.logp_ref, cfg.kl.estimator), 0.0
-    )
     score, flat = rm_score, None
     if estimator.groups:
         n = estimator.group_size
         score = core.group_advantages(rm_score, n, estimator.group_baseline)
         flat = core.flat_groups(rm_score, n)
     reward_beta = 0.0 if estimator.kl_in_loss else beta
-    rewards = core.shaped_rewards(score, logp_old, rollout.logp_ref, mask, reward_beta, cfg.kl.estimator)
+    rewards = core.shaped_rewards(score, logp_old, scored.logp_ref, mask, reward_beta, cfg.kl.estimator)
     if not estimator.critic:  # no critic: the return itself, the reward-to-go from each token
         advantages = returns = core.discounted_returns(rewards, mask, cfg.ppo.gamma)
     else:
         advantages, returns = core.gae(
-            rewards, rollout.values, mask, cfg.ppo.gamma, cfg.ppo.lam, bootstrap_value
+            rewards, scored.values, mask, cfg.ppo.gamma, cfg.ppo.lam, bootstrap_value
         )
     adv_mean = core.masked_mean(advantages, mask, group)
     adv_std = core.masked_var(advantages, mask, unbiased=False, group=group).sqrt()
     if estimator.whiten:
         advantages = core.masked_whiten(advantages, mask, group=group)
-    rollout.advantages, rollout.returns = advantages, returns
-    return RewardEstimates(
-        rm_score,
-        rewards,
-        kl_per_token,
-        reward_beta,
-        adv_mean.item(),
-        adv_std.item(),
-        flat,
-        not estimator.kl_in_loss,
+    estimated = EstimatedRollout.after(scored, advantages=advantages, returns=returns)
+    estimates = RewardEstimates(
+        rewards, reward_beta, adv_mean.item(), adv_std.item(), flat, not estimator.kl_in_loss
     )
+    return estimated, estimates

@@ -3,10 +3,11 @@ PPO): each round samples K responses per prompt from the current policy, scores 
 keeps each prompt's best and fine-tunes the policy on the winners with the response-only SFT loss.
 
 It is a run like any other (``run.algorithm=best_of_n``, ``lmppo best-of-n``): :class:`BestOfNTrainer`
-steps one round where :class:`~lmppo.trainer.PPOTrainer` steps one PPO iteration, and everything around
-the step (evaluation, guards, checkpoints, exact resume, ``best/`` and ``final/``, the report) is
-:class:`lmppo.run.PPORun`'s. No critic and no KL term: the fine-tuned policy's KL to the start is what
-selection moved it, about ``log K - (K - 1) / K`` nats per sequence for one round of the ideal
+steps one round where :class:`~lmppo.trainer.PPOTrainer` steps one PPO iteration. It shares sampling and
+scoring with PPO (:class:`lmppo.steps.Stepper`) and nothing after them: no estimator, no PPO update.
+Everything around the step (evaluation, guards, checkpoints, exact resume, ``best/`` and ``final/``, the
+report) is :class:`lmppo.run.PPORun`'s. No critic and no KL term: the fine-tuned policy's KL to the start is
+what selection moved it, about ``log K - (K - 1) / K`` nats per sequence for one round of the ideal
 best-of-K policy (the seeds' bound); the held-out ``eval/kl`` measures it.
 """
 
@@ -17,16 +18,13 @@ import math
 import torch
 
 from lmppo import core
-from lmppo.distributed import gathered
 from lmppo.metrics import timed
 from lmppo.models import checkpointing, trainable_parameters
 from lmppo.passes import response_logprobs
+from lmppo.progress import phase
 from lmppo.rollout import Rollout, rank_micro_batches
 from lmppo.step_results import UpdateResult
-from lmppo.trainer import PPOTrainer
-
-# what a PPO step logs and a round has no use for: there are no advantages and no KL in the reward
-NOT_LOGGED = ("adv/", "reward/kl_penalty", "reward/shaped", "kl/beta")
+from lmppo.steps import Stepper
 
 
 def best_of_groups(scores: torch.Tensor, group_size: int, threshold: float | None = None) -> torch.Tensor:
@@ -38,29 +36,26 @@ def best_of_groups(scores: torch.Tensor, group_size: int, threshold: float | Non
     return rows if threshold is None else rows[best >= threshold]
 
 
-class BestOfNTrainer(PPOTrainer):
-    """One best-of-N round per :meth:`step`; the state a checkpoint holds is the PPO trainer's (policy,
-    optimizer, schedule, prompt stream, RNGs), so a run resumes exactly between rounds."""
+class BestOfNTrainer(Stepper):
+    """One best-of-N round per :meth:`step`: sample K per prompt, score, fine-tune on each prompt's best. The
+    state a checkpoint holds is the stepper's (policy, optimizer, schedule, prompt stream, RNGs), so a run
+    resumes exactly between rounds."""
 
     def step(self) -> dict[str, float]:
         cfg, seconds = self.cfg, {}
         with timed(seconds, "perf/step_s"):
-            with timed(seconds, "perf/rollout_s"), self.autocast(), gathered(self.policy):
-                rollout = self.collect_rollout()  # rollout.batch_size prompts x K samples, in groups
-            with timed(seconds, "perf/score_s"):
-                estimates = self.score_and_estimate(rollout)  # the reward's scores, the KL to the reference
-            winners = best_of_groups(
-                estimates.rm_score, cfg.rollout.samples_per_prompt, cfg.best_of_n.threshold
-            )
-            with timed(seconds, "perf/update_s"):
-                update = self.fine_tune(rollout.select(winners))
+            rollout = self.sample(seconds)  # rollout.batch_size prompts x K samples, in groups
+            with phase("scoring"), timed(seconds, "perf/score_s"):
+                scored, scores = self.score(rollout)  # the reward's scores, the KL to the reference
+            winners = best_of_groups(scored.rm_score, cfg.rollout.samples_per_prompt, cfg.best_of_n.threshold)
+            with phase("update"), timed(seconds, "perf/update_s"):
+                update = self.fine_tune(scored.select(winners))
             lag = self.policy_version - rollout.policy_version
             if update.policy_moved:
                 self.policy_version += 1
             self.end_step()
-        metrics = self._step_metrics(estimates, update, self.kl_controller.value, lag, seconds)
-        metrics = {k: v for k, v in metrics.items() if not k.startswith(NOT_LOGGED)}
-        kept = estimates.rm_score[winners]
+        metrics = self.step_metrics(scores, update, None, lag, seconds)  # no KL coefficient in a round
+        kept = scored.rm_score[winners]
         metrics["bon/kept_frac"] = len(winners) / cfg.rollout.batch_size
         if len(kept):  # none above the threshold: no score (a NaN would count as a non-finite value)
             metrics["bon/winner_score"] = kept.mean().item()
@@ -101,7 +96,7 @@ class BestOfNTrainer(PPOTrainer):
             (loss * share).backward()
             loss_sum += (loss * share).item()
             entropy_sum += (core.masked_mean(entropy.detach(), mask) * share).item()
-        norm, _ = self._clip_gradients()
+        norm, _ = self.clip_gradients()
         if math.isfinite(norm):  # never apply a NaN/inf update
             self.optimizer.step()
         else:

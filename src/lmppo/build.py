@@ -51,7 +51,8 @@ from lmppo.scoring import (
     ScoreTransform,
     load_reward_function,
 )
-from lmppo.trainer import PPOTrainer, TrainerParts
+from lmppo.steps import Stepper, TrainerParts
+from lmppo.trainer import PPOTrainer
 
 
 @dataclass
@@ -356,7 +357,7 @@ def build_trainer(
     ptx_batches: Callable[[], dict[str, torch.Tensor]] | None = None,
     group: torch.distributed.ProcessGroup | None = None,
     rank: int = 0,
-) -> PPOTrainer:
+) -> Stepper:
     """The trainer and everything it steps with: the update's module (sharded or wrapped first), the
     rollout engine (``generator`` replaces the configured one), this rank's prompt stream, the optimizer
     and its schedule, the KL controller and the reward with its preprocessing."""

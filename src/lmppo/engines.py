@@ -22,6 +22,7 @@ depend on timing. A batch in flight at a checkpoint is waited for and saved with
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -148,8 +149,7 @@ class RolloutsAhead:
         started = time.perf_counter()
         with self.numerics():  # autocast is per thread: the trainer's does not reach this one
             rollout = self.generator.generate(prompts, policy_version, sample_ids)
-        rollout.generation_s = time.perf_counter() - started
-        return rollout
+        return dataclasses.replace(rollout, generation_s=time.perf_counter() - started)
 
     def finished(self) -> Rollout | None:
         """The batch in flight once it is done (None: nothing in flight); it stays pending."""

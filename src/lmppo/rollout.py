@@ -20,25 +20,33 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 
 from lmppo.distributed import gather_objects
 
 # --------------------------------------------------------------------------------------------------
-# The rollout batch
+# One record per stage: sampled, scored, estimated
 # --------------------------------------------------------------------------------------------------
 
+QUERY_COLUMNS = ("query_ids", "query_mask")  # (B, Q), left-padded; every other 2-D tensor is (B, R)
 
-@dataclass
+
+@dataclass(frozen=True)
 class Rollout:
-    """One batch of sampled responses with everything PPO needs from the sampling policy.
+    """What the engine sampled: one batch of responses with everything PPO needs from the sampling policy.
 
     Tensors: ``query_ids`` (B, Q) long, left-padded; ``query_mask`` (B, Q) long, 1 = real prompt token;
-    ``response_ids`` (B, R) long; ``response_mask`` (B, R) float; ``terminated`` (B,) bool (emitted a
-    stop token; else truncated at ``max_new_tokens``); ``logp_old`` (B, R) float32 at ``temperature``, as
-    the sampler recorded them. The estimates are filled in later, all (B, R) but ``bootstrap_value`` (B,);
-    like the tensors above they follow :meth:`select`, :meth:`minibatches`, :meth:`to` and trimming.
+    ``response_ids`` (B, R) long; ``response_mask`` (B, R) float, 1 on the tokens of the response up to and
+    including the first stop token; ``terminated`` (B,) bool (emitted a stop token; else truncated at
+    ``max_new_tokens``); ``logp_old`` (B, R) float32 at ``temperature``, as the sampler recorded them. A
+    decode loop that reads a shared critic's values as it samples also gives ``values`` (B, R) and
+    ``bootstrap_value`` (B,).
+
+    Each stage returns a new record: :class:`ScoredRollout` adds what scoring made, :class:`EstimatedRollout`
+    the advantages. Every tensor (B, ...) and every list of B follows :meth:`select`, :meth:`minibatches`,
+    :meth:`to`, :func:`trim_padding` and :func:`concat_rollouts`, whatever the stage.
     """
 
     query_ids: torch.Tensor
@@ -55,25 +63,23 @@ class Rollout:
     generation_s: float = 0.0  # seconds the engine sampled this batch (on a worker thread when asynchronous)
     values: torch.Tensor | None = None  # V before each response token (the decode loop's or a stored pass)
     bootstrap_value: torch.Tensor | None = None  # V after the last token of a truncated row, else 0
-    logp_ref: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None  # whitened when ppo.whiten_advantages
-    returns: torch.Tensor | None = None
-    logp_trainer: torch.Tensor | None = None  # ppo.tis_cap: the trainer's own log-probs of the samples
-    tis_weights: torch.Tensor | None = None  # ppo.tis_cap: min(p_trainer / p_sampler, cap) per token
-
-    _ROW_TENSORS = ("query_ids", "query_mask", "response_ids", "response_mask", "terminated", "logp_old")
-    _ESTIMATES = (
-        "values",
-        "bootstrap_value",
-        "logp_ref",
-        "advantages",
-        "returns",
-        "logp_trainer",
-        "tis_weights",
-    )
 
     def __len__(self) -> int:
         return self.query_ids.shape[0]
+
+    @classmethod
+    def after(cls, previous: Rollout, **added) -> Self:
+        """This stage's record: every field of the ``previous`` stage's record, and what this stage added
+        (which may replace one, as a values pass does the decode loop's)."""
+        fields = {f.name: getattr(previous, f.name) for f in dataclasses.fields(previous)}
+        return cls(**(fields | added))
+
+    @property
+    def action_mask(self) -> torch.Tensor:
+        """(B, R): the tokens the policy sampled, the only ones in the loss, the KL and GAE's credit path.
+        Every response token is an action here; an environment's turns would add context tokens that are in
+        the sequence (``response_mask``) but not actions."""
+        return self.response_mask
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -84,35 +90,30 @@ class Rollout:
     def num_response_tokens(self) -> int:
         return int(self.response_mask.sum())
 
-    @property
-    def logp_old_for_update(self) -> torch.Tensor:
-        """The old policy's log-probs that the KL reward and the PPO ratio use: the trainer's own under
-        ``ppo.tis_cap`` (the sampler's then only weight the tokens), else the sampler's."""
-        return self.logp_trainer if self.logp_trainer is not None else self.logp_old
-
-    def estimates(self) -> dict[str, torch.Tensor]:
-        """The estimates filled in so far, by name."""
-        return {name: getattr(self, name) for name in self._ESTIMATES if getattr(self, name) is not None}
-
     def sequence_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(input_ids, attention_mask, position_ids)``, each (B, Q + R), for a forward pass."""
         return sequence_inputs(self.query_ids, self.query_mask, self.response_ids)
 
+    def per_row(self) -> dict[str, torch.Tensor | list]:
+        """The fields that hold one entry per row (tensors and lists), by name; None ones left out."""
+        return {
+            f.name: value
+            for f in dataclasses.fields(self)
+            if isinstance(value := getattr(self, f.name), torch.Tensor | list)
+        }
+
     def select(self, index) -> Rollout:
-        """The rows ``index`` (ints, slice, bool mask or index tensor) as a new rollout."""
+        """The rows ``index`` (ints, slice, bool mask or index tensor) as a new record of the same stage."""
         if isinstance(index, torch.Tensor):
             index = index.cpu()
         rows = torch.arange(len(self))[index].reshape(-1)
         picked = {
-            name: getattr(self, name)[rows.to(getattr(self, name).device)] for name in self._ROW_TENSORS
+            name: [value[i] for i in rows.tolist()]
+            if isinstance(value, list)
+            else value[rows.to(value.device)]
+            for name, value in self.per_row().items()
         }
-        return dataclasses.replace(
-            self,
-            **picked,
-            prompts=[self.prompts[i] for i in rows.tolist()],
-            response_texts=[self.response_texts[i] for i in rows.tolist()],
-            **{name: value[rows.to(value.device)] for name, value in self.estimates().items()},
-        )
+        return dataclasses.replace(self, **picked)
 
     def minibatches(self, size: int, shuffle_generator: torch.Generator | None = None) -> Iterator[Rollout]:
         """Consecutive minibatches of ``size`` rows (the last may be smaller), shuffled when given a generator."""
@@ -124,11 +125,33 @@ class Rollout:
             yield self.select(order[start : start + size])
 
     def to(self, device: torch.device | str) -> Rollout:
-        return dataclasses.replace(
-            self,
-            **{name: getattr(self, name).to(device) for name in self._ROW_TENSORS},
-            **{name: value.to(device) for name, value in self.estimates().items()},
-        )
+        moved = {name: v.to(device) for name, v in self.per_row().items() if isinstance(v, torch.Tensor)}
+        return dataclasses.replace(self, **moved)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoredRollout(Rollout):
+    """What scoring added: the score each row's reward uses, the reference's log-probs and, with a critic,
+    the values (a stored pass, unless the decode loop read them already)."""
+
+    rm_score: torch.Tensor  # (B,) preprocessed; 0 on unfinished rows when they are bootstrapped instead
+    logp_ref: torch.Tensor  # (B, R) the frozen reference's log-probs of the samples, at the temperature
+    logp_trainer: torch.Tensor | None = None  # ppo.tis_cap: the trainer's own log-probs of the samples
+    tis_weights: torch.Tensor | None = None  # ppo.tis_cap: min(p_trainer / p_sampler, cap) per token
+
+    @property
+    def logp_old_for_update(self) -> torch.Tensor:
+        """The old policy's log-probs that the KL reward and the PPO ratio use: the trainer's own under
+        ``ppo.tis_cap`` (the sampler's then only weight the tokens), else the sampler's."""
+        return self.logp_trainer if self.logp_trainer is not None else self.logp_old
+
+
+@dataclass(frozen=True, kw_only=True)
+class EstimatedRollout(ScoredRollout):
+    """What the estimator produced: the update's targets."""
+
+    advantages: torch.Tensor  # (B, R), whitened when the estimator whitens
+    returns: torch.Tensor  # (B, R), the critic's targets (the advantages themselves without a critic)
 
 
 def sequence_inputs(
@@ -172,12 +195,12 @@ def trim_padding(rollout: Rollout) -> Rollout:
     length = int(rollout.response_mask.sum(1).max().clamp(min=1))
     if first == 0 and length == rollout.response_ids.shape[1]:
         return rollout
-    queries = {name: getattr(rollout, name)[:, first:] for name in ("query_ids", "query_mask")}
-    responses = {
-        name: getattr(rollout, name)[:, :length] for name in ("response_ids", "response_mask", "logp_old")
+    trimmed = {
+        name: value[:, first:] if name in QUERY_COLUMNS else value[:, :length]
+        for name, value in rollout.per_row().items()
+        if isinstance(value, torch.Tensor) and value.dim() == 2
     }
-    estimates = {k: v[:, :length] if v.dim() == 2 else v for k, v in rollout.estimates().items()}
-    return dataclasses.replace(rollout, **queries, **responses, **estimates)
+    return dataclasses.replace(rollout, **trimmed)
 
 
 def token_budget_groups(max_tokens: int, *part_lengths: torch.Tensor) -> list[list[int]]:
@@ -225,30 +248,26 @@ def balanced_assignment(row_tokens: Sequence[int], world_size: int) -> list[list
 
 
 def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
-    """One rollout of every part's rows: queries left-padded and responses right-padded to the widest
-    (padding is masked out, and a later :func:`trim_padding` drops it again)."""
+    """One record of every part's rows (all of one stage): queries left-padded and responses right-padded to
+    the widest (padding is masked out, and a later :func:`trim_padding` drops it again)."""
     queries = max(part.query_ids.shape[1] for part in parts)
     responses = max(part.response_ids.shape[1] for part in parts)
 
-    def left(t: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (queries - t.shape[1], 0))
+    def padded(name: str, t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 1:
+            return t
+        if name in QUERY_COLUMNS:
+            return torch.nn.functional.pad(t, (queries - t.shape[1], 0))
+        return torch.nn.functional.pad(t, (0, responses - t.shape[1]))
 
-    def right(t: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, responses - t.shape[1])) if t.dim() == 2 else t
-
-    first = parts[0]
-    return dataclasses.replace(
-        first,
-        query_ids=torch.cat([left(p.query_ids) for p in parts]),
-        query_mask=torch.cat([left(p.query_mask) for p in parts]),
-        **{
-            name: torch.cat([right(getattr(p, name)) for p in parts])
-            for name in ("response_ids", "response_mask", "terminated", "logp_old")
-        },
-        prompts=[prompt for p in parts for prompt in p.prompts],
-        response_texts=[text for p in parts for text in p.response_texts],
-        **{name: torch.cat([right(getattr(p, name)) for p in parts]) for name in first.estimates()},
-    )
+    joined = {}
+    for name, value in parts[0].per_row().items():
+        values = [getattr(part, name) for part in parts]
+        if isinstance(value, list):
+            joined[name] = [item for v in values for item in v]
+        else:
+            joined[name] = torch.cat([padded(name, v) for v in values])
+    return dataclasses.replace(parts[0], **joined)
 
 
 def stored_pass_batches(

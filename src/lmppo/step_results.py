@@ -1,5 +1,5 @@
-"""The PPO step's typed results and the metrics named from them: what one micro-batch, one minibatch and
-the update report to :class:`lmppo.trainer.PPOTrainer`, and the reward-side metrics of a scored rollout.
+"""A step's typed results and the metrics named from them: what scoring and the estimator report, and what
+one micro-batch, one minibatch and the update report to :class:`lmppo.trainer.PPOTrainer`.
 The trainer steers by these records' fields; the dictionaries here are only what is logged.
 """
 
@@ -8,13 +8,13 @@ from __future__ import annotations
 import math
 import resource
 import time
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, fields, replace
 
 import torch
 
 from lmppo import core
 from lmppo.distributed import all_sum
-from lmppo.rollout import Rollout
+from lmppo.rollout import EstimatedRollout, ScoredRollout
 
 
 @dataclass
@@ -61,23 +61,32 @@ class UpdateResult:
     policy_moved: bool
 
 
-@dataclass
-class Estimates:
-    """What scoring a rollout gives the rest of the step beside the metrics it logs."""
+@dataclass(frozen=True)
+class Scores:
+    """The reward side of a step, beside its scored record: the metrics it logs and the per-token KL."""
 
     metrics: dict[str, float]
-    kl_ref: float  # the global mean per-sequence KL, for the controller
-    mean_length: float  # response tokens per row (all ranks)
-    rm_score: torch.Tensor  # (B,) the score each row's reward used (preprocessed), this rank's rows
+    kl_per_token: torch.Tensor  # (B, R) KL(sampler || reference) per action token, 0 elsewhere (this rank)
+
+    @property
+    def kl_ref(self) -> float:
+        """The global mean per-sequence KL, for the controller."""
+        return self.metrics["kl/ref"]
+
+    @property
+    def mean_length(self) -> float:
+        """Response tokens per row (all ranks)."""
+        return self.metrics["response/length"]
+
+    def with_metrics(self, metrics: dict[str, float]) -> Scores:
+        return replace(self, metrics=self.metrics | metrics)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RewardEstimates:
     """What the advantages were computed from, for the metrics."""
 
-    rm_score: torch.Tensor  # (B,) the score used (preprocessed; 0 on unfinished rows under bootstrap)
     rewards: torch.Tensor  # (B, R) shaped
-    kl_per_token: torch.Tensor  # (B, R) 0 off the response
     beta: float  # the KL coefficient in the rewards
     adv_mean: float  # before whitening
     adv_std: float
@@ -85,43 +94,56 @@ class RewardEstimates:
     kl_in_reward: bool = True  # False under kl.in_loss: the update's loss carries it (policy/kl_loss)
 
 
-def rollout_metrics(
-    rollout: Rollout,
+def row_means(per_row: dict[str, torch.Tensor], rows: int, device, group) -> dict[str, float]:
+    """Each (B,) quantity's mean over all ranks' rows."""
+    every_row = torch.ones(1, rows, device=device)
+    return {key: core.masked_mean(value[None], every_row, group).item() for key, value in per_row.items()}
+
+
+def scored_metrics(
+    scored: ScoredRollout,
     rm_score_raw: torch.Tensor,
-    estimates: RewardEstimates,
+    kl_per_token: torch.Tensor,
     component_rows: dict[str, torch.Tensor] | None,
     group,
 ) -> dict[str, float]:
-    """The reward-side metrics of a scored rollout: sequence-level quantities averaged over all ranks'
-    rows, the advantages' statistics, the value fit, the rollout's age and the non-finite count.
-    ``component_rows`` (with the score used) when preprocessing or components make it differ from the raw."""
-    mask, e = rollout.response_mask, estimates
+    """The reward side of a scored rollout: sequence-level quantities averaged over all ranks' rows, the
+    rollout's age and the non-finite count. ``component_rows`` (with the score used) when preprocessing or
+    components make it differ from the raw."""
+    mask = scored.response_mask
     per_row = {
         "reward/rm_score": rm_score_raw,
-        "reward/shaped": e.rewards.sum(1),
-        "kl/ref": e.kl_per_token.sum(1),
+        "kl/ref": kl_per_token.sum(1),
         "response/length": mask.sum(1),
-        "response/eos_frac": rollout.terminated.float(),
-        "response/truncated_frac": (~rollout.terminated).float(),
+        "response/eos_frac": scored.terminated.float(),
+        "response/truncated_frac": (~scored.terminated).float(),
     }
+    if component_rows is not None:
+        per_row["reward/rm_score_used"] = scored.rm_score
+        per_row.update(component_rows)
+    metrics = row_means(per_row, len(scored), mask.device, group)
+    metrics["lag/rollout_age_s"] = time.time() - scored.created_at
+    metrics["health/nonfinite"] = nonfinite_count(
+        rm_score_raw, scored.logp_ref, scored.values, scored.action_mask, group
+    )
+    return metrics
+
+
+def estimate_metrics(
+    estimated: EstimatedRollout, e: RewardEstimates, kl_per_token: torch.Tensor, group
+) -> dict[str, float]:
+    """The estimator's side: the shaped reward and its KL penalty per sequence, the advantages' statistics
+    and, with a critic, the value fit."""
+    per_row = {"reward/shaped": e.rewards.sum(1)}
     if e.kl_in_reward:
-        per_row["reward/kl_penalty"] = -e.beta * e.kl_per_token.sum(1)
+        per_row["reward/kl_penalty"] = -e.beta * kl_per_token.sum(1)
     if e.flat_groups is not None:  # no learning signal from a group whose samples all scored the same
         per_row["adv/flat_group_frac"] = e.flat_groups.float()
-    if component_rows is not None:
-        per_row["reward/rm_score_used"] = e.rm_score
-        per_row.update(component_rows)
-    every_row = torch.ones(1, len(rollout), device=mask.device)
-    metrics = {key: core.masked_mean(value[None], every_row, group).item() for key, value in per_row.items()}
-    metrics |= {
-        "adv/mean": e.adv_mean,
-        "adv/std": e.adv_std,
-        "lag/rollout_age_s": time.time() - rollout.created_at,
-        "health/nonfinite": nonfinite_count(rm_score_raw, rollout.logp_ref, rollout.values, mask, group),
-    }
-    if rollout.values is not None:  # a critic-free run logs no value metrics rather than zeros
+    metrics = row_means(per_row, len(estimated), estimated.response_mask.device, group)
+    metrics |= {"adv/mean": e.adv_mean, "adv/std": e.adv_std}
+    if estimated.values is not None:  # a critic-free run logs no value metrics rather than zeros
         metrics["value/explained_var"] = core.explained_variance(
-            rollout.values, rollout.returns, mask, group
+            estimated.values, estimated.returns, estimated.action_mask, group
         ).item()
     return metrics
 
@@ -151,25 +173,25 @@ def update_metrics(totals: TokenMeans, results: list[MinibatchResult], kl_in_los
 
 
 def step_metrics(
-    estimates: Estimates,
+    scores: Scores,
     update: UpdateResult,
     *,
-    beta: float,
+    beta: float | None,
     lag: int,
     seconds: dict[str, float],
     n_tokens: float,
 ) -> dict[str, float]:
-    """One step's metrics from its records: the reward side, the update, the controller's beta, the lag and
-    the phase times with the throughputs made from them."""
+    """One step's metrics from its records: the reward side, the update, the controller's beta (None: no KL
+    coefficient in this step), the lag and the phase times with the throughputs made from them."""
     return {
-        **estimates.metrics,
+        **scores.metrics,
         **update.metrics,
         "policy/epochs": float(update.epochs),
         "policy/updates": float(update.updates),
         "health/nonfinite_updates": float(update.nonfinite_updates),
-        "kl/beta": beta,
+        **({} if beta is None else {"kl/beta": beta}),
         "lag/policy_versions": float(lag),
-        "health/nonfinite": estimates.metrics["health/nonfinite"] + update.nonfinite_updates,
+        "health/nonfinite": scores.metrics["health/nonfinite"] + update.nonfinite_updates,
         **seconds,
         "perf/rollout_tokens_per_s": n_tokens / max(seconds["perf/rollout_s"], 1e-9),
         "perf/train_tokens_per_s": n_tokens * update.epochs / max(seconds["perf/update_s"], 1e-9),

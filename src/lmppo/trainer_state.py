@@ -8,6 +8,7 @@ Tensors travel as named groups (``policy``, ``value``, ``optimizer``, ``rng``) f
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -38,12 +39,12 @@ from lmppo.distributed import (
 )
 from lmppo.errors import LmppoError, warn
 from lmppo.rollout import Rollout, concat_rollouts, trim_padding
-from lmppo.trainer import PPOTrainer
+from lmppo.steps import Stepper
 
 TensorGroups = dict[str, dict[str, torch.Tensor]]
 
 
-def trained_modules(trainer: PPOTrainer) -> dict[str, tuple[nn.Module, set[int]]]:
+def trained_modules(trainer: Stepper) -> dict[str, tuple[nn.Module, set[int]]]:
     """name -> (module, ids of parameters saved under another name: the shared trunk); no critic, no
     ``value`` group."""
     modules = {"policy": (trainer.policy, set())}
@@ -52,7 +53,7 @@ def trained_modules(trainer: PPOTrainer) -> dict[str, tuple[nn.Module, set[int]]
     return modules
 
 
-def state_payload(trainer: PPOTrainer) -> tuple[TensorGroups, dict]:
+def state_payload(trainer: Stepper) -> tuple[TensorGroups, dict]:
     """``(tensors, state)`` for :func:`lmppo.checkpoint.save_checkpoint`.
 
     Under FSDP2 every sharded weight and optimizer state is gathered whole (one all-gather per tensor,
@@ -101,13 +102,13 @@ def state_payload(trainer: PPOTrainer) -> tuple[TensorGroups, dict]:
 
 
 def _rollout_record(rollout: Rollout) -> tuple[dict[str, torch.Tensor], dict]:
-    """A freshly sampled rollout (no estimates yet) as tensors and JSON."""
-    tensors = {name: getattr(rollout, name).cpu() for name in Rollout._ROW_TENSORS}
-    fields = ("policy_version", "created_at", "prompts", "response_texts", "temperature", "generation_s")
-    return tensors, {name: getattr(rollout, name) for name in fields}
+    """A freshly sampled rollout as tensors and JSON."""
+    fields = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
+    tensors = {name: v.cpu() for name, v in fields.items() if isinstance(v, torch.Tensor)}
+    return tensors, {name: v for name, v in fields.items() if v is not None and name not in tensors}
 
 
-def _restore_pending_rollout(trainer: PPOTrainer, tensors: TensorGroups, state: dict) -> None:
+def _restore_pending_rollout(trainer: Stepper, tensors: TensorGroups, state: dict) -> None:
     """The batch that was in flight at the checkpoint, every rank taking its own rows (the world size may
     have changed: rows are in the prompt stream's global order), for the next step to train on."""
     if trainer.ahead is None or state.get("pending_rollout") is None:
@@ -129,7 +130,7 @@ def _whole(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tenso
     return whole
 
 
-def load_state_payload(trainer: PPOTrainer, tensors: TensorGroups, state: dict) -> None:
+def load_state_payload(trainer: Stepper, tensors: TensorGroups, state: dict) -> None:
     """Restore what :func:`state_payload` saved (from any world size and either strategy)."""
     saved, place = _saved_groups(trainer, tensors, state)
     for name, (module, skip) in trained_modules(trainer).items():
@@ -155,7 +156,7 @@ def load_state_payload(trainer: PPOTrainer, tensors: TensorGroups, state: dict) 
     trainer.episodes, trainer.tokens = int(state["episodes"]), int(state["tokens"])
 
 
-def _saved_groups(trainer: PPOTrainer, tensors: TensorGroups, state: dict):
+def _saved_groups(trainer: Stepper, tensors: TensorGroups, state: dict):
     """The checkpoint's trained groups (``policy``, ``value``, ``optimizer``) and how a saved tensor
     takes a parameter's layout: whole tensors are cut into this rank's shard; this rank's own saved
     shards (a sharded checkpoint, same world size) are used as they are; every rank's saved shards
@@ -169,7 +170,7 @@ def _saved_groups(trainer: PPOTrainer, tensors: TensorGroups, state: dict):
     return {name: whole_group(tensors, name, saved_ranks) for name in names}, shard_like
 
 
-def _optimizer_state_like_params(trainer: PPOTrainer, optimizer_state: dict, place) -> dict:
+def _optimizer_state_like_params(trainer: Stepper, optimizer_state: dict, place) -> dict:
     """A saved optimizer state with each parameter's moments laid out like that parameter by
     ``place(saved, param)``. Entries are indexed in param-group order."""
     params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
@@ -180,7 +181,7 @@ def _optimizer_state_like_params(trainer: PPOTrainer, optimizer_state: dict, pla
     return optimizer_state
 
 
-def _restore_rank_rng(trainer: PPOTrainer, tensors: dict, per_rank_json: list[dict], step: int) -> None:
+def _restore_rank_rng(trainer: Stepper, tensors: dict, per_rank_json: list[dict], step: int) -> None:
     """This rank's generators from the checkpoint; re-seeded when it was written by another world size."""
     saved_world = len(per_rank_json)
     if saved_world != trainer.world_size:  # check_compatible refused this unless --allow-config-change
@@ -199,7 +200,7 @@ def _restore_rank_rng(trainer: PPOTrainer, tensors: dict, per_rank_json: list[di
     restore_rng_state(per_rank_json[trainer.rank], rng)
 
 
-def apply_changed_settings(trainer: PPOTrainer, cfg: Config, changed: set[str]) -> None:
+def apply_changed_settings(trainer: Stepper, cfg: Config, changed: set[str]) -> None:
     """After a resume with ``--allow-config-change``: the changed settings the checkpoint's state would
     otherwise override (``changed``: dotted config keys) take effect from the next step."""
     ppo = cfg.ppo
@@ -219,7 +220,7 @@ def apply_changed_settings(trainer: PPOTrainer, cfg: Config, changed: set[str]) 
 
 
 def save_trainer_checkpoint(
-    trainer: PPOTrainer,
+    trainer: Stepper,
     run_dir: Path,
     state_extra: dict,
     *,
