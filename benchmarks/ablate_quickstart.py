@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def prepare(base: Path, seed: int, overrides: list[str]) -> list[str]:
     """What a row's overrides name in the seed's base quickstart, made once: the clean demonstrations, the
     extra reward models. Returns the overrides with ``{base}`` filled in."""
-    from lmppo.data import read_jsonl
+    from lmppo.inputs.data import read_jsonl
     from lmppo.toy.task import gold_score
 
     joined = " ".join(overrides)
@@ -106,8 +106,8 @@ def prepare(base: Path, seed: int, overrides: list[str]) -> list[str]:
 
 def train_another_reward_model(base: Path, seed: int, out: Path) -> None:
     """The quickstart's RM stage again on the same SFT transformer and pairs, with another seed."""
-    from lmppo.loading import load_causal_lm
-    from lmppo.quickstart import quickstart_config, train_toy_reward_model
+    from lmppo.interface.quickstart import quickstart_config, train_toy_reward_model
+    from lmppo.modeling.loading import load_causal_lm
     from lmppo.toy.models import load_toy_world
 
     world = load_toy_world(base / "world")

@@ -72,7 +72,7 @@ def lmppo(*args: str) -> subprocess.CompletedProcess:
 
 def judge_row(prompt, response: str) -> dict:
     """judge.py's verdict on one answer (load_function imports the file once and reuses the module)."""
-    from lmppo.scoring import load_function
+    from lmppo.rewards.scoring import load_function
 
     return load_function(f"{EXAMPLE / 'judge.py'}:judge_row", "the SmolLM2 judge")(prompt, response)
 
@@ -89,8 +89,8 @@ def decided_by(pair: dict) -> str:
 def rm_report(directories: list[str], pairs_path: Path) -> dict:
     """Held-out accuracy of each reward model, overall and by slice: ``decided_by`` and ``chosen_is``
     (is the chosen answer the shorter or the longer one, in words)."""
-    from lmppo.loading import load_reward_model, load_tokenizer
-    from lmppo.reward_modeling import evaluate_reward_model, load_preference_jsonl
+    from lmppo.modeling.loading import load_reward_model, load_tokenizer
+    from lmppo.training.reward_modeling import evaluate_reward_model, load_preference_jsonl
 
     pairs = load_preference_jsonl(pairs_path)
     for pair in pairs:
@@ -135,8 +135,8 @@ def run(out: Path, seed: int, config: str, overrides: list[str], command: str = 
 def figures(out: Path) -> dict:
     """The held-out figures of a finished run: ``eval.json`` (start vs PPO, per answer) and the run's own
     evaluations in ``metrics.jsonl``."""
-    from lmppo.config import load_config
-    from lmppo.metrics import read_metrics
+    from lmppo.inputs.config import load_config
+    from lmppo.training.metrics import read_metrics
 
     record = json.loads((out / "eval.json").read_text())
     ppo = record["summary"]["policies"]["PPO"]

@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def smollm2_dir() -> Path:
     from test_smollm2 import CACHE_DIR, smollm2_gguf
 
-    from lmppo.loading import cache_gguf_as_transformers
+    from lmppo.modeling.loading import cache_gguf_as_transformers
 
     return cache_gguf_as_transformers(smollm2_gguf(), CACHE_DIR)
 

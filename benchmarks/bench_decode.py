@@ -44,10 +44,10 @@ def _timed(fn) -> float:
 
 
 def build_generator(max_new_tokens: int):
-    from lmppo.data import load_prompts
-    from lmppo.hf_engine import HFGenerator
-    from lmppo.loading import load_causal_lm, load_tokenizer
-    from lmppo.lora import apply_lora
+    from lmppo.inputs.data import load_prompts
+    from lmppo.modeling.loading import load_causal_lm, load_tokenizer
+    from lmppo.modeling.lora import apply_lora
+    from lmppo.sampling.hf_engine import HFGenerator
 
     model_dir = smollm2_dir()
     torch.manual_seed(0)

@@ -136,16 +136,16 @@ def run_ppo(args, config: Path, setup: str, out: Path) -> dict:
 
 
 def batch_size(config: Path, overrides: list[str]) -> int:
-    from lmppo.config import load_config
+    from lmppo.inputs.config import load_config
 
     return load_config(config, overrides).rollout.batch_size
 
 
 def trainable_parameters(config: Path, overrides: list[str]) -> int:
     """Policy + separate critic parameters the run trains (what DDP all-reduces)."""
-    from lmppo.build import load_models
-    from lmppo.config import load_config
-    from lmppo.resolve import resolve
+    from lmppo.inputs.config import load_config
+    from lmppo.inputs.resolve import resolve
+    from lmppo.runs.build import load_models
 
     cfg = load_config(config, overrides)
     models = load_models(cfg, resolve(cfg, device="cpu"))

@@ -26,10 +26,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch
 
-from lmppo.build import build_generator, build_trainer, load_models
-from lmppo.config import load_config
-from lmppo.distributed import seed_everything
-from lmppo.resolve import resolve
+from lmppo.inputs.config import load_config
+from lmppo.inputs.resolve import resolve
+from lmppo.modeling.distributed import seed_everything
+from lmppo.runs.build import build_generator, build_trainer, load_models
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -52,7 +52,7 @@ def tiny_model(work_dir: Path) -> Path:
     response runs to the length limit, so both engines do the same work)."""
     from transformers import LlamaForCausalLM
 
-    from lmppo.loading import load_tokenizer
+    from lmppo.modeling.loading import load_tokenizer
     from lmppo.toy.models import build_toy_world, tiny_llama_config
 
     out = work_dir / "tiny"
@@ -68,7 +68,7 @@ def tiny_model(work_dir: Path) -> Path:
 
 
 def smollm2_model() -> Path:
-    from lmppo.loading import cache_gguf_as_transformers
+    from lmppo.modeling.loading import cache_gguf_as_transformers
 
     sys.path.insert(0, str(ROOT / "tests"))
     from test_smollm2 import CACHE_DIR, smollm2_gguf

@@ -147,7 +147,7 @@ def run_steps(command: list[str], metrics_file: Path, steps: int, timeout: float
 
 
 def summarise(records: list[dict], cfg, n_params, plan_bytes: int, peak_tflops) -> dict:
-    from lmppo.plan import CUDA_CONTEXT_BYTES
+    from lmppo.runs.plan import CUDA_CONTEXT_BYTES
 
     timed = records[1:] or records  # the first step carries warm-up (kernels, allocator, caches)
     median = lambda key: statistics.median(r[key] for r in timed)  # noqa: E731
@@ -198,8 +198,8 @@ def table(results: dict, device_name: str, peak_tflops) -> str:
 
 def dry_run(args) -> None:
     """Each row's config and memory plan for a 139 GiB GPU, from config-only models: no GPU needed."""
-    from lmppo.config import load_config
-    from lmppo.plan import memory_plan
+    from lmppo.inputs.config import load_config
+    from lmppo.runs.plan import memory_plan
 
     for row in ROWS:
         model_dir = make(row.shape, args.work / "models" / f"{row.shape}-config", config_only=True)
@@ -261,9 +261,9 @@ def run_row(row: Row, args, peak_tflops: float | None, timeout: float) -> dict:
     logged; the figures, or the error."""
     import torch
 
-    from lmppo.config import load_config
-    from lmppo.metrics import read_metrics
-    from lmppo.plan import memory_plan
+    from lmppo.inputs.config import load_config
+    from lmppo.runs.plan import memory_plan
+    from lmppo.training.metrics import read_metrics
 
     model_dir = args.work / "models" / row.shape
     output_dir = args.work / "runs" / row.name.replace(" ", "-")

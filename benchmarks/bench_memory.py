@@ -27,13 +27,13 @@ PROMPT = "What is the capital of France?"
 def worker(args) -> dict:
     import torch
 
-    from lmppo.build import build_trainer, load_models
-    from lmppo.config import load_config
-    from lmppo.distributed import seed_everything
-    from lmppo.loading import cache_gguf_as_transformers
-    from lmppo.plan import memory_plan
-    from lmppo.resolve import resolve
-    from lmppo.rollout import EstimatedRollout, Rollout
+    from lmppo.inputs.config import load_config
+    from lmppo.inputs.resolve import resolve
+    from lmppo.modeling.distributed import seed_everything
+    from lmppo.modeling.loading import cache_gguf_as_transformers
+    from lmppo.runs.build import build_trainer, load_models
+    from lmppo.runs.plan import memory_plan
+    from lmppo.sampling.rollout import EstimatedRollout, Rollout
 
     sys.path.insert(0, str(ROOT / "tests"))
     from test_smollm2 import CACHE_DIR, smollm2_gguf

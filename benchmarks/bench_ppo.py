@@ -123,10 +123,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_shape(model_dir: Path):
-    """The decoder's widths (``lmppo.plan.Shape``) from a model directory's config.json."""
+    """The decoder's widths (``lmppo.runs.plan.Shape``) from a model directory's config.json."""
     from transformers import AutoConfig
 
-    from lmppo.plan import Shape
+    from lmppo.runs.plan import Shape
 
     return Shape.of(AutoConfig.from_pretrained(model_dir))
 
@@ -291,12 +291,12 @@ def world_dir(args, size: str) -> Path:
 
 def lmppo_trainer(args, world: Path):
     """The lmppo trainer of one row (``args.worker`` names the variant), set up as ``lmppo ppo`` would."""
-    from lmppo.build import build_trainer, load_models
-    from lmppo.config import load_config
-    from lmppo.data import load_prompts
-    from lmppo.distributed import seed_everything
-    from lmppo.models import keep_freed_heap_memory
-    from lmppo.resolve import resolve
+    from lmppo.inputs.config import load_config
+    from lmppo.inputs.data import load_prompts
+    from lmppo.inputs.resolve import resolve
+    from lmppo.modeling.distributed import seed_everything
+    from lmppo.modeling.models import keep_freed_heap_memory
+    from lmppo.runs.build import build_trainer, load_models
 
     setup = setup_of(args.size, args.worker)
     base = {
@@ -335,7 +335,7 @@ def lmppo_trainer(args, world: Path):
 def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[dict], list, int, dict]:
     import torch
 
-    from lmppo import trainer as trainer_module
+    from lmppo.training import trainer as trainer_module
 
     trainer = lmppo_trainer(args, world)
 

@@ -1,8 +1,9 @@
 """What quantizing the frozen models costs and saves on SmolLM2-135M-Instruct (docs/memory.md).
 
-1. ``--part logprobs`` and ``--part scores``: the reference's log-probs and the reward model's scores of
-   each scheme (bf16, int8, nf4; lmppo.quantize) against the fp32 model: per response token mean and max |delta logp|, the bias a
-   quantized reference puts into ``kl/ref`` at step 1 (mean over responses of the summed delta, the KL a
+1. ``--part logprobs`` and ``--part scores``: the reference's log-probs and the reward model's scores of each
+   scheme (bf16, int8, nf4; lmppo.modeling.quantize) against the fp32 model: per response token mean and max
+   |delta logp|, the bias a quantized reference puts into ``kl/ref`` at step 1 (mean over responses of the
+   summed delta, the KL a
    policy equal to the fp32 model shows against it), and for the reward model the scores' mean |delta|, their
    rank correlation with fp32's and the share of held-out pairs ordered as fp32 orders them (and as the
    labels do). Responses are SmolLM2's own samples for held-out prompts (fixed seed).
@@ -52,10 +53,10 @@ def responses(n_prompts: int, seed: int):
     """SmolLM2's sampled responses (fp32, temperature 1) to the first held-out prompts."""
     import torch
 
-    from lmppo.config import ModelSource
-    from lmppo.data import load_prompts
-    from lmppo.hf_engine import HFGenerator
-    from lmppo.loading import load_causal_lm, load_tokenizer
+    from lmppo.inputs.config import ModelSource
+    from lmppo.inputs.data import load_prompts
+    from lmppo.modeling.loading import load_causal_lm, load_tokenizer
+    from lmppo.sampling.hf_engine import HFGenerator
 
     tokenizer = load_tokenizer(POLICY)
     torch.manual_seed(seed)
@@ -67,10 +68,10 @@ def responses(n_prompts: int, seed: int):
 def logprob_errors(n_prompts: int, seed: int) -> dict:
     import torch
 
-    from lmppo.config import ModelSource
-    from lmppo.loading import load_causal_lm
-    from lmppo.passes import sequence_logprobs
-    from lmppo.quantize import quantized_weight_bytes
+    from lmppo.inputs.config import ModelSource
+    from lmppo.modeling.loading import load_causal_lm
+    from lmppo.modeling.quantize import quantized_weight_bytes
+    from lmppo.sampling.passes import sequence_logprobs
 
     rollout = responses(n_prompts, seed)
     mask = rollout.response_mask.bool()
@@ -94,7 +95,7 @@ def logprob_errors(n_prompts: int, seed: int) -> dict:
 
 
 def _quantized(param) -> bool:
-    from lmppo.quantize import is_quantized
+    from lmppo.modeling.quantize import is_quantized
 
     return is_quantized(param)
 
@@ -102,9 +103,9 @@ def _quantized(param) -> bool:
 def score_errors() -> dict:
     import torch
 
-    from lmppo.config import ModelSource
-    from lmppo.loading import load_reward_model, load_tokenizer
-    from lmppo.scoring import RewardModelScorer
+    from lmppo.inputs.config import ModelSource
+    from lmppo.modeling.loading import load_reward_model, load_tokenizer
+    from lmppo.rewards.scoring import RewardModelScorer
 
     pairs = [json.loads(line) for line in PAIRS.read_text().splitlines() if line.strip()]
     prompts = [p["prompt"] for p in pairs] * 2
@@ -143,8 +144,8 @@ def speed(repeats: int = 3) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lmppo.config import ModelSource
-    from lmppo.loading import load_causal_lm
+    from lmppo.inputs.config import ModelSource
+    from lmppo.modeling.loading import load_causal_lm
 
     ids = torch.randint(0, 49152, (16, 128), generator=torch.Generator().manual_seed(0))
     models = {
@@ -192,9 +193,9 @@ STEP_ROWS = {  # name -> overrides of examples/smollm2/ppo_rm.yaml (LoRA: the re
 
 def step_rows(out: Path, steps: int) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
-    from lmppo.config import load_config
-    from lmppo.metrics import read_metrics
-    from lmppo.plan import memory_plan
+    from lmppo.inputs.config import load_config
+    from lmppo.runs.plan import memory_plan
+    from lmppo.training.metrics import read_metrics
 
     results = {}
     for name, overrides in STEP_ROWS.items():

@@ -155,7 +155,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if not (args.rm / "config.json").is_file():
         raise SystemExit(f"no reward model at {args.rm}: run `make quickstart` first, or pass --rm DIR")
-    from lmppo.reward_server import Rows, load_scorer
+    from lmppo.rewards.reward_server import Rows, load_scorer
 
     scorer, _ = load_scorer(str(args.rm), args.rows, None)
     requests = request_rows(args.rm, 64, args.rows)

@@ -36,7 +36,7 @@ def smollm2_files() -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     from test_smollm2 import CACHE_DIR, smollm2_gguf
 
-    from lmppo.loading import cache_gguf_as_transformers
+    from lmppo.modeling.loading import cache_gguf_as_transformers
 
     return cache_gguf_as_transformers(smollm2_gguf(), CACHE_DIR)
 
@@ -58,7 +58,7 @@ def pack(out: Path) -> Path:
 def model_config(shape: str, files: Path):
     from transformers import AutoConfig, LlamaConfig
 
-    from lmppo.loading import load_tokenizer
+    from lmppo.modeling.loading import load_tokenizer
 
     if shape == "smollm2-135m":
         return AutoConfig.from_pretrained(files)
@@ -81,7 +81,7 @@ def make(shape: str, out: Path, *, device: str = "cpu", dtype: str = "float32", 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lmppo.loading import load_tokenizer
+    from lmppo.modeling.loading import load_tokenizer
 
     files = smollm2_files()
     config = model_config(shape, files)

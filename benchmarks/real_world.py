@@ -26,7 +26,7 @@ SEED = 1234
 
 def smollm2_dir() -> Path:
     """The converted SmolLM2 directory (converting the wheel's GGUF the first time)."""
-    from lmppo.loading import cache_gguf_as_transformers
+    from lmppo.modeling.loading import cache_gguf_as_transformers
 
     sys.path.insert(0, str(ROOT / "tests"))
     from test_smollm2 import CACHE_DIR, smollm2_gguf
@@ -40,8 +40,8 @@ def build_real_world(out: Path, num_prompts: int) -> Path:
         return out
     from transformers import AutoModelForSequenceClassification
 
-    from lmppo.data import load_prompts, render_query_ids
-    from lmppo.loading import load_tokenizer
+    from lmppo.inputs.data import load_prompts, render_query_ids
+    from lmppo.modeling.loading import load_tokenizer
 
     policy = smollm2_dir()
     out.mkdir(parents=True, exist_ok=True)

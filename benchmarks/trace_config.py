@@ -1,7 +1,7 @@
 """How often the config enters each lmppo module before the first PPO step: a ``sys.setprofile`` trace of
-``lmppo.run.train`` on a finished run's config (a quickstart's is ``runs/quickstart/ppo``), counting calls from one module into another
-that carry the config or one of its sections (any ``lmppo.config`` record) as an argument ("entries"),
-and every call that carries one, also within a module ("calls").
+``lmppo.runs.run.train`` on a finished run's config (a quickstart's is ``runs/quickstart/ppo``), counting
+calls from one module into another that carry the config or one of its sections (any ``lmppo.inputs.config``
+record) as an argument ("entries"), and every call that carries one, also within a module ("calls").
 
     python benchmarks/trace_config.py runs/quickstart/ppo
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from lmppo import config as config_module
-from lmppo.config import load_config
-from lmppo.run import train
-from lmppo.trainer import PPOTrainer
+from lmppo.inputs import config as config_module
+from lmppo.inputs.config import load_config
+from lmppo.runs.run import train
+from lmppo.training.trainer import PPOTrainer
 
 
 class FirstStep(Exception):

@@ -41,7 +41,7 @@ def cpu_without_bf16_matrix_units(monkeypatch):
     """``run.precision=auto`` is fp32 on this CPU whatever it is: the tests' tolerances and byte counts are
     fp32's, and machines differ (an AMX Xeon would pick bf16). Tests of that choice patch it themselves;
     a subprocess run reads the real CPU, and its config says ``run.precision`` where it matters."""
-    monkeypatch.setattr("lmppo.resolve.cpu_bf16_matmuls", lambda: None)
+    monkeypatch.setattr("lmppo.inputs.resolve.cpu_bf16_matmuls", lambda: None)
 
 
 @pytest.fixture

@@ -24,14 +24,14 @@ import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from lmppo.build import build_trainer
-from lmppo.config import load_config
-from lmppo.distributed import seed_everything
-from lmppo.lora import make_reference
-from lmppo.models import PPOModels, ValueModel
-from lmppo.resolve import resolve
-from lmppo.scoring import load_reward_function
-from lmppo.trainer import PPOTrainer
+from lmppo.inputs.config import load_config
+from lmppo.inputs.resolve import resolve
+from lmppo.modeling.distributed import seed_everything
+from lmppo.modeling.lora import make_reference
+from lmppo.modeling.models import PPOModels, ValueModel
+from lmppo.rewards.scoring import load_reward_function
+from lmppo.runs.build import build_trainer
+from lmppo.training.trainer import PPOTrainer
 
 WORDS = [
     "good",
@@ -240,7 +240,7 @@ def torchrun(*args: str) -> subprocess.CompletedProcess:
 
 def run_cli(*args: str) -> int:
     """``lmppo ARGS`` in this process; returns the exit code."""
-    from lmppo.cli import main
+    from lmppo.interface.cli import main
 
     argv, sys.argv = sys.argv, ["lmppo", *args]
     try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from lmppo.hf_engine import HFGenerator
-from lmppo.rollout import (
+from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.rollout import (
     Rollout,
 )
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from helpers import BASE
 
-from lmppo.advantages import advantages_of
-from lmppo.config import load_config
-from lmppo.resolve import resolve
-from lmppo.rollout import EstimatedRollout, Rollout, ScoredRollout
-from lmppo.step_results import RewardEstimates
+from lmppo.inputs.config import load_config
+from lmppo.inputs.resolve import resolve
+from lmppo.sampling.rollout import EstimatedRollout, Rollout, ScoredRollout
+from lmppo.training.advantages import advantages_of
+from lmppo.training.step_results import RewardEstimates
 
 
 def estimate(

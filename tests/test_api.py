@@ -9,10 +9,10 @@ import yaml
 from helpers import PROMPTS, comparable, count_good, run_cli
 
 import lmppo
-from lmppo.config import load_config
 from lmppo.errors import LmppoError
-from lmppo.metrics import read_metrics
-from lmppo.scoring import PYTHON_FUNCTIONS
+from lmppo.inputs.config import load_config
+from lmppo.rewards.scoring import PYTHON_FUNCTIONS
+from lmppo.training.metrics import read_metrics
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "python_api.py"
 

@@ -234,7 +234,7 @@ def test_smollm2_ablation_judges_each_answer_and_reads_the_runs_own_evaluations(
     sys.path.insert(0, str(BENCH.parent))
     import ablate_smollm2
 
-    from lmppo.config import load_config
+    from lmppo.inputs.config import load_config
 
     rm_dir, out = tmp_path / "rm", tmp_path / "run"
     rm_dir.mkdir()
@@ -306,7 +306,7 @@ def test_trace_config_counts_where_the_config_is_read_before_step_1(run_files):
     ).stdout
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[1:]}
     # resolve is entered twice: resolve() decides the run, check_batches() the batch against the prompts
-    assert rows["resolve"][0] == "2" and int(rows["total"][1]) > int(rows["total"][0]) > 0
+    assert rows["inputs.resolve"][0] == "2" and int(rows["total"][1]) > int(rows["total"][0]) > 0
 
 
 @pytest.mark.slow

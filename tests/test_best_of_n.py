@@ -8,12 +8,12 @@ import torch
 import yaml
 from helpers import comparable, run_cli, toy_trainer, write_config
 
-from lmppo.best_of_n import best_of_groups
-from lmppo.checkpoint import latest_checkpoint, load_checkpoint
-from lmppo.config import load_config
 from lmppo.errors import LmppoError
-from lmppo.metrics import read_metrics
-from lmppo.resolve import resolve
+from lmppo.inputs.config import load_config
+from lmppo.inputs.resolve import resolve
+from lmppo.runs.checkpoint import latest_checkpoint, load_checkpoint
+from lmppo.training.best_of_n import best_of_groups
+from lmppo.training.metrics import read_metrics
 
 BON = (
     "run.algorithm=best_of_n",

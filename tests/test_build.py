@@ -6,11 +6,11 @@ import pytest
 import torch
 from helpers import COUNT_GOOD
 
-from lmppo.build import generator_options, load_models, load_reward, load_value_model
-from lmppo.config import load_config
 from lmppo.errors import LmppoError
-from lmppo.hf_engine import HFGenerator
-from lmppo.resolve import resolve
+from lmppo.inputs.config import load_config
+from lmppo.inputs.resolve import resolve
+from lmppo.runs.build import generator_options, load_models, load_reward, load_value_model
+from lmppo.sampling.hf_engine import HFGenerator
 
 
 def cpu_models(cfg):

@@ -14,7 +14,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lmppo.checkpoint import (
+from lmppo.errors import LmppoError
+from lmppo.runs.checkpoint import (
     RESUMABLE_KEYS,
     capture_rng_state,
     check_compatible,
@@ -29,7 +30,6 @@ from lmppo.checkpoint import (
     unflatten_state,
     write_tensor_groups,
 )
-from lmppo.errors import LmppoError
 
 CONFIG = {"ppo": {"lr": 1e-5, "clip_eps": 0.2}, "run": {"steps": 100, "seed": 0}, "logging": {"quiet": False}}
 IDENTITIES = {"policy": {"path": "sft", "sha256": "aa"}, "reward": {"path": "rm", "sha256": "bb"}}
@@ -343,7 +343,7 @@ _SAVE_FOREVER = textwrap.dedent(
     """
     import sys, torch
     from pathlib import Path
-    from lmppo.checkpoint import save_checkpoint
+    from lmppo.runs.checkpoint import save_checkpoint
     manifest = {"config": {}, "identities": {}, "world_size": 1}
     for i in range(10**6):
         step = 1 + i // 2  # every step is saved twice: the re-save path is killed too
@@ -433,14 +433,14 @@ def test_the_override_returns_the_differences():
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_latest_and_says_so(
     tmp_path, monkeypatch, error
 ):
-    import lmppo.checkpoint
+    import lmppo.runs.checkpoint
 
     previous = _save(tmp_path, 1)
 
     def full_disk(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(lmppo.checkpoint, "save_file", full_disk)
+    monkeypatch.setattr(lmppo.runs.checkpoint, "save_file", full_disk)
     with pytest.raises(
         LmppoError, match=r"No space left on device.*latest checkpoint is still .*step-000001"
     ):

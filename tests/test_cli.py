@@ -7,8 +7,8 @@ import sys
 import pytest
 from helpers import run_cli
 
-from lmppo.config import load_config
-from lmppo.metrics import read_metrics
+from lmppo.inputs.config import load_config
+from lmppo.training.metrics import read_metrics
 
 
 def test_two_step_run_through_the_cli(run_files):
@@ -59,7 +59,7 @@ def test_transformers_progress_bars_and_load_reports_stay_out_of_the_console(run
 # `lmppo ARGS` in a fresh interpreter; its last line names the heavy modules it imported.
 LMPPO_THEN_HEAVY_MODULES = """
 import sys
-from lmppo.cli import main
+from lmppo.interface.cli import main
 sys.argv = ["lmppo", *sys.argv[1:]]
 try:
     main()

@@ -5,8 +5,8 @@ import re
 import pytest
 import yaml
 
-from lmppo.config import OTHER_TRAINERS_KEYS, Config, apply_override, load_config, validate_config
 from lmppo.errors import LmppoError
+from lmppo.inputs.config import OTHER_TRAINERS_KEYS, Config, apply_override, load_config, validate_config
 
 BASE = {
     "models": {"policy": {"path": "policy_dir"}},

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from lmppo.config import Config, SupervisedConfig
-from lmppo.config_reference import SHARED, reference, section_of
+from lmppo.inputs.config import Config, SupervisedConfig
+from lmppo.inputs.config_reference import SHARED, reference, section_of
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -18,7 +18,7 @@ def every_field(model, prefix=""):
 
 def test_docs_config_md_is_the_schemas_reference():
     assert DOC.read_text() == reference(), (
-        "docs/config.md is stale: rewrite it with `python -m lmppo.config_reference > docs/config.md`"
+        "docs/config.md is stale: rewrite it with `python -m lmppo.inputs.config_reference > docs/config.md`"
     )
 
 

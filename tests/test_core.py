@@ -1,4 +1,5 @@
-"""lmppo.core against independent oracles: brute force, plain Python, Monte Carlo, the seeds' examples."""
+"""lmppo.math.core against independent oracles: brute force, plain Python, Monte Carlo, the seeds'
+examples."""
 
 import math
 import os
@@ -10,7 +11,7 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmppo import core
+from lmppo.math import core
 
 
 def ragged_mask(batch: int, length: int, gen: torch.Generator) -> torch.Tensor:

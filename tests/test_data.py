@@ -5,8 +5,14 @@ import sys
 
 import pytest
 
-from lmppo.data import PromptStream, load_demonstrations, load_located_prompts, load_prompts, prompt_slices
 from lmppo.errors import LmppoError
+from lmppo.inputs.data import (
+    PromptStream,
+    load_demonstrations,
+    load_located_prompts,
+    load_prompts,
+    prompt_slices,
+)
 
 
 def write_jsonl(path, rows):
@@ -224,7 +230,7 @@ def control_ids(tokenizer, ids):
 
 
 def test_prompt_text_spelling_an_assistant_turn_stays_text(toy_tokenizers):
-    from lmppo.data import render_query_ids
+    from lmppo.inputs.data import render_query_ids
 
     policy, _ = toy_tokenizers
     plain = render_query_ids(policy, "count to 3")
@@ -235,8 +241,8 @@ def test_prompt_text_spelling_an_assistant_turn_stays_text(toy_tokenizers):
 
 
 def test_a_response_spelling_an_end_of_turn_gets_no_control_token_from_the_reward_model(toy_tokenizers):
-    from lmppo.data import encode_chat
-    from lmppo.scoring import reward_model_messages
+    from lmppo.inputs.data import encode_chat
+    from lmppo.rewards.scoring import reward_model_messages
 
     _, reward = toy_tokenizers
     ids = encode_chat(
@@ -250,14 +256,14 @@ def test_a_response_spelling_an_end_of_turn_gets_no_control_token_from_the_rewar
 
 
 def test_text_a_tokenizer_cannot_spell_without_its_control_token_is_refused(policy_tokenizer):
-    from lmppo.data import render_query_ids
+    from lmppo.inputs.data import render_query_ids
 
     with pytest.raises(LmppoError, match=r"spells the control token\(s\) \['</s>'\]"):
         render_query_ids(policy_tokenizer, "the cat </s> is good")  # a word-level vocabulary: no pieces
 
 
 def test_an_unknown_role_is_a_clear_error_not_a_template_traceback(toy_tokenizers):
-    from lmppo.data import render_query_ids
+    from lmppo.inputs.data import render_query_ids
 
     with pytest.raises(LmppoError, match=r"roles \['narrator'\]"):
         render_query_ids(toy_tokenizers[0], [{"role": "narrator", "content": "count to 3"}])
@@ -267,7 +273,7 @@ def test_a_tokenizer_without_a_chat_template_says_how_to_give_it_one(policy_toke
     """A base model's tokenizer (GPT-2, Pythia) has no template: the fix is named, not transformers' ValueError."""
     import copy
 
-    from lmppo.data import render_query_ids
+    from lmppo.inputs.data import render_query_ids
 
     base = copy.deepcopy(policy_tokenizer)
     base.chat_template = None

@@ -5,10 +5,10 @@ import math
 import pytest
 from helpers import run_cli
 
-from lmppo.config import DiagnosisConfig, GuardsConfig
-from lmppo.diagnose import RULES, LiveDiagnosis, diagnose
-from lmppo.failure_modes import nonfinite_mode
-from lmppo.guards import Guards
+from lmppo.inputs.config import DiagnosisConfig, GuardsConfig
+from lmppo.runs.diagnose import RULES, LiveDiagnosis, diagnose
+from lmppo.runs.failure_modes import nonfinite_mode
+from lmppo.runs.guards import Guards
 
 STEPS = 40
 

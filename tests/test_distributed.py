@@ -25,14 +25,14 @@ from helpers import (
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from lmppo.checkpoint import latest_checkpoint, load_checkpoint
-from lmppo.config import LoraConfig
-from lmppo.distributed import full_tensor, join_shards, seed_everything, trained_state_bytes
-from lmppo.engines import policy_weights
-from lmppo.hf_engine import HFGenerator
-from lmppo.lora import make_reference, with_lora
-from lmppo.metrics import read_metrics, reduce_metrics
-from lmppo.models import ValueModel
+from lmppo.inputs.config import LoraConfig
+from lmppo.modeling.distributed import full_tensor, join_shards, seed_everything, trained_state_bytes
+from lmppo.modeling.lora import make_reference, with_lora
+from lmppo.modeling.models import ValueModel
+from lmppo.runs.checkpoint import latest_checkpoint, load_checkpoint
+from lmppo.sampling.engines import policy_weights
+from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.training.metrics import read_metrics, reduce_metrics
 
 BATCH = 8
 # one minibatch of the whole batch (every rank's rows), two epochs, micro-batches of 4 rows (2 per rank)

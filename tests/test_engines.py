@@ -5,9 +5,9 @@ import torch
 from helpers import POLICY_SPECIALS, POLICY_TEMPLATE, WORDS, build_tokenizer, llama_config
 from transformers import LlamaForCausalLM
 
-from lmppo.engines import policy_weights
-from lmppo.hf_engine import HFGenerator
-from lmppo.lora import apply_lora
+from lmppo.modeling.lora import apply_lora
+from lmppo.sampling.engines import policy_weights
+from lmppo.sampling.hf_engine import HFGenerator
 
 
 def policy_tokenizer():

@@ -10,7 +10,7 @@ from helpers import run_cli
 from rich.console import Console
 
 from lmppo.errors import LmppoError
-from lmppo.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table, win_rate
+from lmppo.runs.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table, win_rate
 
 PROMPTS = ["tell me a story", "write a poem", "tell me about the sun", "write a short story"] * 3
 DEMOS = [
@@ -192,7 +192,7 @@ def test_lmppo_eval_uses_the_runs_device_and_precision(run_files, monkeypatch):
         seen.append((weights.dtype, weights.device.type, torch.is_autocast_enabled("cpu")))
         return evaluate_policy(policy, tokenizer, prompts[:2], **kwargs)
 
-    monkeypatch.setattr("lmppo.evaluate.evaluate_policy", record)
+    monkeypatch.setattr("lmppo.runs.evaluate.evaluate_policy", record)
     assert run_cli("eval", str(run_files.parent / "run")) == 0
     assert seen == [(torch.bfloat16, "cpu", True)] * 2
 
@@ -207,7 +207,7 @@ def test_a_judge_that_raises_is_shown_as_the_users_code(policy_model, policy_tok
 
 
 def test_each_named_reward_component_is_evaluated_apart(policy_model, policy_tokenizer):
-    from lmppo.scoring import CombinedReward, ScoredComponent
+    from lmppo.rewards.scoring import CombinedReward, ScoredComponent
 
     reward = CombinedReward(
         [

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lmppo.config import Config, SupervisedConfig, load_config
 from lmppo.errors import UserCodeError
-from lmppo.scoring import load_function, load_reward_function
+from lmppo.inputs.config import Config, SupervisedConfig, load_config
+from lmppo.rewards.scoring import load_function, load_reward_function
 
 ROOT = Path(__file__).resolve().parents[1]
 JUDGE = "examples/smollm2/judge.py"

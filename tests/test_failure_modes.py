@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from test_diagnose import history
 
-from lmppo.config import DiagnosisConfig, GuardsConfig
-from lmppo.diagnose import RULES, diagnose
-from lmppo.failure_modes import BOUNDS, MODES, NONFINITE, nonfinite_mode
-from lmppo.guards import Guards
+from lmppo.inputs.config import DiagnosisConfig, GuardsConfig
+from lmppo.runs.diagnose import RULES, diagnose
+from lmppo.runs.failure_modes import BOUNDS, MODES, NONFINITE, nonfinite_mode
+from lmppo.runs.guards import Guards
 
 STOPPED = [mode for mode in MODES if mode.stop is not None]
 METRICS_DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"

@@ -18,13 +18,13 @@ import torch
 import yaml
 from helpers import comparable, run_cli, write_config
 
-from lmppo.build import build_trainer, load_models
-from lmppo.checkpoint import latest_checkpoint, load_checkpoint
-from lmppo.config import load_config
-from lmppo.data import load_prompts
-from lmppo.metrics import read_metrics
-from lmppo.resolve import resolve
-from lmppo.trainer import PPOTrainer
+from lmppo.inputs.config import load_config
+from lmppo.inputs.data import load_prompts
+from lmppo.inputs.resolve import resolve
+from lmppo.runs.build import build_trainer, load_models
+from lmppo.runs.checkpoint import latest_checkpoint, load_checkpoint
+from lmppo.training.metrics import read_metrics
+from lmppo.training.trainer import PPOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = os.environ.get("LMPPO_GPU_TESTS_DEVICE", "cuda")
@@ -103,7 +103,7 @@ def test_generation_on_a_static_cache_ends_each_mask_at_the_first_eos(smollm2_co
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="max_memory_allocated is CUDA's")
 def test_the_plan_is_within_25_percent_of_max_memory_allocated(smollm2_config):
-    from lmppo.plan import CUDA_CONTEXT_BYTES, memory_plan
+    from lmppo.runs.plan import CUDA_CONTEXT_BYTES, memory_plan
 
     plan = memory_plan(smollm2_config)
     gc.collect()  # the earlier tests' models, so that the peak is this step's alone

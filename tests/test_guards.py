@@ -4,9 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from lmppo.config import GuardsConfig
-from lmppo.failure_modes import BOUNDS
-from lmppo.guards import Guards
+from lmppo.inputs.config import GuardsConfig
+from lmppo.runs.failure_modes import BOUNDS
+from lmppo.runs.guards import Guards
 
 HEALTHY = {
     "reward/rm_score": 0.3,

@@ -10,11 +10,11 @@ import torch
 from rollout_samples import LOGP_TOL, PROMPTS, generate, stop_ids, teacher_forced_logprobs, unpadded
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from lmppo.core import last_response_index, shaped_rewards, token_logprobs
 from lmppo.errors import LmppoError, LmppoWarning
-from lmppo.hf_engine import HFGenerator
-from lmppo.models import ValueModel
-from lmppo.passes import (
+from lmppo.math.core import last_response_index, shaped_rewards, token_logprobs
+from lmppo.modeling.models import ValueModel
+from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.passes import (
     response_logits,
     value_predictions,
 )

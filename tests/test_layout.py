@@ -12,7 +12,7 @@ import lmppo
 SOURCE = Path(lmppo.__file__).parent
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 # not imported here: vllm_engine needs vllm (its own environment); __main__ runs the command line
-NOT_IMPORTED = {"lmppo.vllm_engine", "lmppo.__main__"}
+NOT_IMPORTED = {"lmppo.sampling.vllm_engine", "lmppo.__main__"}
 
 
 def lmppo_modules() -> list[str]:
@@ -83,16 +83,57 @@ def test_no_import_cycles():
 def test_the_cycle_check_finds_a_cycle():
     """A lazy import of report from evaluate would close a loop (report reads what evaluate writes)."""
     graph = import_graph()
-    graph["lmppo.evaluate"] = graph["lmppo.evaluate"] | {"lmppo.report"}
+    graph["lmppo.runs.evaluate"] = graph["lmppo.runs.evaluate"] | {"lmppo.runs.report"}
     cycle = find_cycle(graph)
-    assert cycle is not None and {"lmppo.evaluate", "lmppo.report"} <= set(cycle) and cycle[0] == cycle[-1]
+    assert (
+        cycle is not None
+        and {"lmppo.runs.evaluate", "lmppo.runs.report"} <= set(cycle)
+        and cycle[0] == cycle[-1]
+    )
+
+
+def relative_path(name: str) -> str:
+    """Where a module's file is, as docs/architecture.md names it: ``math/core.py``, ``toy/``."""
+    parts = name.split(".")[1:]
+    return "toy/" if parts[0] == "toy" else "/".join(parts) + ".py"
 
 
 def test_every_module_has_a_row_in_the_architecture_table():
     table = ARCHITECTURE.read_text()
-    top_level = {name.split(".")[1] for name in lmppo_modules() if name not in ("lmppo", "lmppo.__main__")}
-    missing = [m for m in sorted(top_level) if f"`{m}.py`" not in table and f"`{m}/`" not in table]
+    modules = {
+        relative_path(name)
+        for name in lmppo_modules()
+        if name not in ("lmppo", "lmppo.__main__") and not module_file(name).name == "__init__.py"
+    }
+    missing = [path for path in sorted(modules) if f"`{path}`" not in table]
     assert not missing, f"docs/architecture.md has no row for {missing}"
+
+
+def subpackages() -> list[str]:
+    return [
+        name for name in lmppo_modules() if name.count(".") == 1 and module_file(name).name == "__init__.py"
+    ]
+
+
+def test_every_package_says_its_job_and_imports_only_what_it_says_it_may():
+    """Each package's ``__init__`` docstring ends on "May import: ..." naming the packages
+    (``:mod:`lmppo.x```) its modules may import besides the basics, or "anything"; the code keeps to it."""
+    layers, graph = architecture_layers(), import_graph()
+    basics = {name for name, layer in layers.items() if layer == 1}
+    for package in subpackages():
+        doc = importlib.import_module(package).__doc__ or ""
+        assert "May import:" in doc, f"{package}'s __init__ does not say what it may import"
+        allowed = doc.split("May import:", 1)[1]
+        if "anything" in allowed or package in basics:
+            continue
+        may = {package, *basics, *re.findall(r":mod:`(lmppo\.[a-z_]+)`", allowed)}
+        used = {
+            ".".join(imported.split(".")[:2])
+            for name, imports in graph.items()
+            if name == package or name.startswith(package + ".")
+            for imported in imports
+        }
+        assert sorted(used - may) == [], f"{package} imports packages its __init__ does not name"
 
 
 def architecture_layers() -> dict[str, int]:
@@ -129,9 +170,9 @@ def test_no_module_imports_one_on_a_higher_layer():
 
 
 def test_the_layer_check_finds_an_upward_import():
-    graph = {"lmppo.core": {"lmppo.trainer"}, "lmppo.trainer": {"lmppo.core"}}
-    assert upward_imports(graph, {"lmppo.core": 1, "lmppo.trainer": 6}) == [
-        "lmppo.core (layer 1) imports lmppo.trainer (layer 6)"
+    graph = {"lmppo.math.core": {"lmppo.training.trainer"}, "lmppo.training.trainer": {"lmppo.math.core"}}
+    assert upward_imports(graph, {"lmppo.math.core": 1, "lmppo.training.trainer": 6}) == [
+        "lmppo.math.core (layer 1) imports lmppo.training.trainer (layer 6)"
     ]
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import logits
 
-from lmppo.config import ModelSource, validate_config
 from lmppo.errors import LmppoError
-from lmppo.loading import (
+from lmppo.inputs.config import ModelSource, validate_config
+from lmppo.modeling.loading import (
     check_reward_model,
     load_causal_lm,
     load_model_config,
@@ -22,7 +22,7 @@ from lmppo.loading import (
     quiet_transformers,
     resolve_source,
 )
-from lmppo.models import model_identity
+from lmppo.modeling.models import model_identity
 
 
 @pytest.fixture

@@ -8,8 +8,7 @@ import pytest
 import torch
 from helpers import logits
 
-from lmppo.hf_engine import HFGenerator
-from lmppo.lora import (
+from lmppo.modeling.lora import (
     LoraReference,
     apply_lora,
     inputs_left_to_autocast,
@@ -17,8 +16,9 @@ from lmppo.lora import (
     make_reference,
     mergeable_lora_layers,
 )
-from lmppo.models import model_identity, trainable_parameters
-from lmppo.passes import sequence_logprobs
+from lmppo.modeling.models import model_identity, trainable_parameters
+from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.passes import sequence_logprobs
 
 
 def test_make_reference_without_lora_is_a_frozen_copy(policy_model):
@@ -92,7 +92,7 @@ def test_lora_and_checkpointing_print_no_third_party_deprecation_notes(policy_mo
     """transformers' renaming notes (``is_gradient_checkpointing`` ...) ask nothing of a user: not shown."""
     import warnings
 
-    from lmppo.models import enable_gradient_checkpointing
+    from lmppo.modeling.models import enable_gradient_checkpointing
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lmppo.errors import LmppoError
-from lmppo.metrics import (
+from lmppo.training.metrics import (
     METRIC_NAMES,
     REDUCE_OPS,
     RENAMED_METRICS,

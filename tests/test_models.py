@@ -10,11 +10,17 @@ import torch
 from helpers import INPUT_IDS
 from peft import PeftModel
 
-from lmppo.config import LoraConfig
 from lmppo.errors import LmppoError
-from lmppo.loading import freeze
-from lmppo.lora import apply_lora
-from lmppo.models import ValueModel, eval_mode, keep_freed_heap_memory, model_identity, trainable_parameters
+from lmppo.inputs.config import LoraConfig
+from lmppo.modeling.loading import freeze
+from lmppo.modeling.lora import apply_lora
+from lmppo.modeling.models import (
+    ValueModel,
+    eval_mode,
+    keep_freed_heap_memory,
+    model_identity,
+    trainable_parameters,
+)
 
 
 def test_freeze_and_eval_mode(policy_model, make_causal_lm, policy_tokenizer):

@@ -21,7 +21,7 @@ from helpers import (
 )
 from transformers import LlamaForSequenceClassification
 
-from lmppo.metrics import read_metrics
+from lmppo.training.metrics import read_metrics
 
 REWARDS = "def score(prompts, responses):\n    return [float(r.split().count('good')) for r in responses]\n"
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from rollout_samples import LOGP_TOL, PROMPTS, generate, teacher_forced_logprobs, unpadded
 
-from lmppo.core import token_logprobs
-from lmppo.lora import apply_lora
-from lmppo.models import ValueModel, trainable_parameters
-from lmppo.passes import (
+from lmppo.math.core import token_logprobs
+from lmppo.modeling.lora import apply_lora
+from lmppo.modeling.models import ValueModel, trainable_parameters
+from lmppo.sampling.passes import (
     policy_logprobs_and_values,
     response_logits,
     response_logprobs,

@@ -9,11 +9,11 @@ import pytest
 from helpers import run_cli
 from rich.console import Console
 
-from lmppo import plan as plan_module
-from lmppo.build import load_models
-from lmppo.config import load_config
-from lmppo.plan import memory_plan, plan_report, size
-from lmppo.resolve import resolve
+from lmppo.inputs.config import load_config
+from lmppo.inputs.resolve import resolve
+from lmppo.runs import plan as plan_module
+from lmppo.runs.build import load_models
+from lmppo.runs.plan import memory_plan, plan_report, size
 
 
 def rows_by_role(plan):

@@ -7,10 +7,10 @@ import pytest
 import torch
 from helpers import BASE, boost_token, run_cli, toy_models, write_config
 
-from lmppo.config import ModelSource, load_config
-from lmppo.diagnose import reward_bias
-from lmppo.loading import load_tokenizer
-from lmppo.preflight import average_ranks, correlation, run_preflight, spearman, summarise
+from lmppo.inputs.config import ModelSource, load_config
+from lmppo.modeling.loading import load_tokenizer
+from lmppo.runs.diagnose import reward_bias
+from lmppo.runs.preflight import average_ranks, correlation, run_preflight, spearman, summarise
 
 PROMPTS = ["tell me about the cat", "write a short poem", "tell me a story", "the day was very happy"]
 

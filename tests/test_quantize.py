@@ -1,5 +1,5 @@
-"""Quantized frozen models and QLoRA (lmppo.quantize): what is quantized and what is not, the plan's bytes
-against the loaded models, a run with an int8 reference and reward model that resumes exactly, QLoRA's
+"""Quantized frozen models and QLoRA (lmppo.modeling.quantize): what is quantized and what is not, the plan's
+bytes against the loaded models, a run with an int8 reference and reward model that resumes exactly, QLoRA's
 export, and the combinations refused (offloading's GPU paths: tests/test_gpu.py)."""
 
 import pytest
@@ -9,14 +9,14 @@ from helpers import comparable, llama_config, run_cli, toy_models, write_config
 from safetensors.torch import load_file
 from transformers import LlamaForSequenceClassification
 
-from lmppo.build import load_models
-from lmppo.checkpoint import latest_checkpoint, load_checkpoint
-from lmppo.config import load_config
 from lmppo.errors import LmppoError
-from lmppo.metrics import read_metrics
-from lmppo.plan import memory_plan, remedies
-from lmppo.quantize import is_quantized, quantizable_linears, quantize, quantized_weight_bytes
-from lmppo.resolve import resolve
+from lmppo.inputs.config import load_config
+from lmppo.inputs.resolve import resolve
+from lmppo.modeling.quantize import is_quantized, quantizable_linears, quantize, quantized_weight_bytes
+from lmppo.runs.build import load_models
+from lmppo.runs.checkpoint import latest_checkpoint, load_checkpoint
+from lmppo.runs.plan import memory_plan, remedies
+from lmppo.training.metrics import read_metrics
 
 pytest.importorskip("torchao")
 
@@ -125,7 +125,7 @@ def test_qlora_trains_adapters_on_an_nf4_base_and_saves_the_unquantized_base_plu
 
 
 def test_the_lora_fold_is_skipped_on_a_quantized_base(run_files):
-    from lmppo.lora import mergeable_lora_layers
+    from lmppo.modeling.lora import mergeable_lora_layers
 
     overrides = ["models.policy.quantize=int8", "models.policy_lora.enabled=true", "models.value.mode=shared"]
     cfg = load_config(run_files, overrides)
@@ -163,7 +163,7 @@ def test_combinations_that_cannot_work_are_refused_naming_the_key_and_the_fix(
 
 
 def test_a_supervised_stage_refuses_a_quantized_model():
-    from lmppo.config import SupervisedConfig
+    from lmppo.inputs.config import SupervisedConfig
 
     with pytest.raises(ValueError, match="frozen models of a PPO run"):
         SupervisedConfig(model={"path": "m", "quantize": "int8"}, data="d.jsonl", output_dir="o")
@@ -188,7 +188,7 @@ def test_the_remedies_climb_the_seeds_ladder_in_order(quantized_files):
 
 
 def test_lmppo_eval_compares_the_unquantized_start_with_the_exported_policy(run_files):
-    from lmppo.resolve import frozen_policy_source
+    from lmppo.inputs.resolve import frozen_policy_source
 
     overrides = ["models.policy.quantize=nf4", "models.policy_lora.enabled=true", "models.value.mode=shared"]
     cfg = load_config(run_files, overrides)
@@ -198,7 +198,7 @@ def test_lmppo_eval_compares_the_unquantized_start_with_the_exported_policy(run_
 def test_an_offloaded_model_is_brought_over_for_the_block_and_its_host_weights_kept():
     """``on_device``'s bookkeeping on the CPU (offload itself pins memory: CUDA only, tests/test_gpu.py):
     the block runs on copies, and the host tensors are the model's weights again after it."""
-    from lmppo.distributed import gathered
+    from lmppo.modeling.distributed import gathered
 
     policy = toy_models().policy
     host = {name: p.data_ptr() for name, p in policy.named_parameters()}

@@ -7,8 +7,8 @@ import pytest
 import yaml
 from helpers import run_cli
 
-from lmppo.diagnose import diagnose_run
-from lmppo.quickstart import run_quickstart
+from lmppo.interface.quickstart import run_quickstart
+from lmppo.runs.diagnose import diagnose_run
 
 
 @pytest.mark.slow

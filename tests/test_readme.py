@@ -9,8 +9,8 @@ import click
 import typer
 import yaml
 
-from lmppo.cli import app
-from lmppo.config import validate_config
+from lmppo.inputs.config import validate_config
+from lmppo.interface.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -14,11 +14,11 @@ import pytest
 import yaml
 from helpers import comparable, fake_server, run_cli, serving
 
-from lmppo import remote_reward
-from lmppo.config import load_config
 from lmppo.errors import LmppoError
-from lmppo.metrics import read_metrics
-from lmppo.remote_reward import RemoteReward
+from lmppo.inputs.config import load_config
+from lmppo.rewards import remote_reward
+from lmppo.rewards.remote_reward import RemoteReward
+from lmppo.training.metrics import read_metrics
 
 PROMPTS = ["say good", [{"role": "user", "content": "say good twice"}], "hi"]
 RESPONSES = ["good", "good good", "no"]

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from lmppo.errors import LmppoError
-from lmppo.evaluate import EVAL_FILE, EvalResult, write_eval_json
-from lmppo.metrics import MetricsLogger
-from lmppo.report import CONFIG_FILE, report
-from lmppo.reward_modeling import RM_EVAL_FILE, write_rm_eval_json
+from lmppo.runs.evaluate import EVAL_FILE, EvalResult, write_eval_json
+from lmppo.runs.report import CONFIG_FILE, report
+from lmppo.training.metrics import MetricsLogger
+from lmppo.training.reward_modeling import RM_EVAL_FILE, write_rm_eval_json
 
 STEPS = 6
 
@@ -173,7 +173,7 @@ def test_the_report_opens_with_the_diagnosis_and_plots_held_out_scores_against_k
 
 
 def test_the_reward_preflight_is_shown_with_its_slices_and_extreme_samples(tmp_path):
-    from lmppo.preflight import summarise, write_preflight_json
+    from lmppo.runs.preflight import summarise, write_preflight_json
 
     run = tmp_path / "run"
     run.mkdir()

@@ -8,13 +8,13 @@ import torch
 from helpers import llama_config, toy_models
 from transformers import LlamaForSequenceClassification
 
-from lmppo.build import load_models
-from lmppo.config import load_config
 from lmppo.errors import LmppoError
-from lmppo.estimators import ESTIMATORS
-from lmppo.lora import LoraReference
-from lmppo.plan import ladder, memory_plan
-from lmppo.resolve import resolve, resolve_device
+from lmppo.inputs.config import load_config
+from lmppo.inputs.resolve import resolve, resolve_device
+from lmppo.math.estimators import ESTIMATORS
+from lmppo.modeling.lora import LoraReference
+from lmppo.runs.build import load_models
+from lmppo.runs.plan import ladder, memory_plan
 
 
 def test_a_cuda_run_without_a_visible_gpu_is_a_clear_error(monkeypatch):
@@ -150,8 +150,8 @@ def test_a_critic_free_run_plans_builds_and_records_no_value_model(run_files, mo
     assert not plan.critic and ["ppo.advantage=reinforce_pp"] not in ladder(cfg, plan)  # no critic to drop
     assert [row.role for row in plan.models] == ["policy", "reference", "reward"]
     assert plan.static < with_critic.static  # the critic's weights, gradients and Adam moments are gone
-    monkeypatch.setattr("lmppo.models.make_value_model", no_critic)
-    monkeypatch.setattr("lmppo.build.make_value_model", no_critic)
+    monkeypatch.setattr("lmppo.modeling.models.make_value_model", no_critic)
+    monkeypatch.setattr("lmppo.runs.build.make_value_model", no_critic)
     models = load_models(cfg, spec)
     assert models.value is None and "value" not in models.identities
     assert models.trained == [models.policy]
@@ -168,7 +168,7 @@ def test_a_critic_free_run_plans_builds_and_records_no_value_model(run_files, mo
 def test_auto_precision_on_a_cpu_is_bf16_where_it_has_amx_and_says_why(
     monkeypatch, run_files, matmuls, precision, why
 ):
-    monkeypatch.setattr("lmppo.resolve.cpu_bf16_matmuls", lambda: matmuls)
+    monkeypatch.setattr("lmppo.inputs.resolve.cpu_bf16_matmuls", lambda: matmuls)
     spec = resolve(load_config(run_files, ["run.precision=auto"]), device="cpu")
     assert (spec.precision, spec.fp32_matmul_precision) == (precision, "highest")
     assert why in spec.precision_reason

@@ -11,12 +11,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lmppo import reward_modeling
-from lmppo.config import SupervisedConfig
 from lmppo.errors import LmppoError
-from lmppo.loading import load_reward_model
-from lmppo.lora import with_lora
-from lmppo.reward_modeling import (
+from lmppo.inputs.config import SupervisedConfig
+from lmppo.modeling.loading import load_reward_model
+from lmppo.modeling.lora import with_lora
+from lmppo.rewards.scoring import RewardModelScorer, render_for_reward_model
+from lmppo.toy import task
+from lmppo.toy.models import build_policy, reward_model_from_policy
+from lmppo.toy.tokenizer import policy_tokenizer, reward_tokenizer, train_bpe
+from lmppo.training import reward_modeling
+from lmppo.training.reward_modeling import (
     bradley_terry_loss,
     evaluate_reward_model,
     load_preference_jsonl,
@@ -24,12 +28,8 @@ from lmppo.reward_modeling import (
     sequence_scores,
     train_reward_model,
 )
-from lmppo.scoring import RewardModelScorer, render_for_reward_model
-from lmppo.sft import train_sft
-from lmppo.supervised import merged, pad
-from lmppo.toy import task
-from lmppo.toy.models import build_policy, reward_model_from_policy
-from lmppo.toy.tokenizer import policy_tokenizer, reward_tokenizer, train_bpe
+from lmppo.training.sft import train_sft
+from lmppo.training.supervised import merged, pad
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,16 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from lmppo.remote_reward import RemoteReward
-from lmppo.reward_server import Batcher, Limits, RequestError, Rows, load_scorer, reward_app, uvicorn_server
+from lmppo.rewards.remote_reward import RemoteReward
+from lmppo.rewards.reward_server import (
+    Batcher,
+    Limits,
+    RequestError,
+    Rows,
+    load_scorer,
+    reward_app,
+    uvicorn_server,
+)
 
 PROMPTS = ["tell me about the cat", [{"role": "user", "content": "write a short poem"}], "sad day"]
 RESPONSES = ["good good cat", "red sun and blue night", "it was a very happy day"]

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rollout_samples import PROMPTS, generate
 
-from lmppo.rollout import (
+from lmppo.sampling.rollout import (
     EstimatedRollout,
     balanced_assignment,
     concat_rollouts,

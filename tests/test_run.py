@@ -1,4 +1,5 @@
-"""A whole run (lmppo.run): exact resume, guard aborts keeping the last good checkpoint, SIGTERM/SIGKILL."""
+"""A whole run (lmppo.runs.run): exact resume, guard aborts keeping the last good checkpoint,
+SIGTERM/SIGKILL."""
 
 import json
 import os
@@ -14,17 +15,17 @@ import yaml
 from helpers import COUNT_GOOD, GOOD_JUDGE, PROMPTS, comparable, run_cli, write_config
 from transformers import AutoModelForCausalLM
 
-from lmppo.checkpoint import (
+from lmppo.inputs.config import load_config
+from lmppo.inputs.resolve import resolve
+from lmppo.runs.checkpoint import (
     best_checkpoint,
     last_good_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     unflatten_state,
 )
-from lmppo.config import load_config
-from lmppo.metrics import read_metrics
-from lmppo.resolve import resolve
-from lmppo.run import numerics_line, ptx_batches
+from lmppo.runs.run import numerics_line, ptx_batches
+from lmppo.training.metrics import read_metrics
 
 
 def test_ptx_batches_are_a_seeded_stream_of_demonstrations_per_rank(run_files, policy_tokenizer):
@@ -384,7 +385,7 @@ def test_a_reward_function_that_raises_shows_its_frames_the_step_and_the_intact_
     err = capsys.readouterr().err
     assert "raised ZeroDivisionError" in err and "flaky.py" in err and "line 5" in err  # the user's frame
     assert "stopped in step 1" in err and "step-000000" in err and "is intact" in err and "--resume" in err
-    assert "Traceback (most recent call last)" not in err and "lmppo/trainer.py" not in err
+    assert "Traceback (most recent call last)" not in err and "lmppo/training/trainer.py" not in err
 
 
 def test_a_reward_function_that_raises_in_the_preflight_stops_before_anything_is_saved(run_files, capsys):

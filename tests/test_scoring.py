@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from lmppo.errors import LmppoError
-from lmppo.hf_engine import HFGenerator
-from lmppo.scoring import (
+from lmppo.rewards.scoring import (
     CombinedReward,
     RewardModelScorer,
     ScoredComponent,
@@ -18,6 +17,7 @@ from lmppo.scoring import (
     load_reward_function,
     render_for_reward_model,
 )
+from lmppo.sampling.hf_engine import HFGenerator
 
 PROMPTS = ["tell me about the dog", [{"role": "user", "content": "write a poem"}], "sad day", "good"]
 RESPONSES = ["good good dog", "red sun and blue night", "it was a very happy day", "bad"]
@@ -281,9 +281,9 @@ def test_two_reward_models_each_score_their_own_rendering(
     tmp_path, reward_tokenizer, policy_tokenizer, make_reward_model
 ):
     """A learned RM per tokenizer and template: each sees the token ids of its own rendering of the text."""
-    from lmppo.build import load_reward
-    from lmppo.config import RewardConfig
-    from lmppo.resolve import reward_roles
+    from lmppo.inputs.config import RewardConfig
+    from lmppo.inputs.resolve import reward_roles
+    from lmppo.runs.build import load_reward
 
     for name, tokenizer in (("bracket", reward_tokenizer), ("chat", policy_tokenizer)):
         make_reward_model(tokenizer).save_pretrained(tmp_path / name)

@@ -8,15 +8,15 @@ import statistics
 import pytest
 import torch
 
-from lmppo.config import SupervisedConfig
-from lmppo.core import token_logprobs
 from lmppo.errors import LmppoError
-from lmppo.hf_engine import HFGenerator
-from lmppo.loading import load_causal_lm
-from lmppo.sft import IGNORE, response_nll, run_sft, sft_batch, sft_features, train_sft
+from lmppo.inputs.config import SupervisedConfig
+from lmppo.math.core import token_logprobs
+from lmppo.modeling.loading import load_causal_lm
+from lmppo.sampling.hf_engine import HFGenerator
 from lmppo.toy.models import build_policy
 from lmppo.toy.task import demonstrations, gold_score, tokenizer_corpus, toy_datasets
 from lmppo.toy.tokenizer import policy_tokenizer, train_bpe
+from lmppo.training.sft import IGNORE, response_nll, run_sft, sft_batch, sft_features, train_sft
 
 EXAMPLES = [
     {"prompt": "count to 3", "response": "1 2 3."},

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmppo.build import build_trainer, load_models
-from lmppo.config import load_config
-from lmppo.core import token_logprobs
-from lmppo.distributed import seed_everything
-from lmppo.hf_engine import HFGenerator
-from lmppo.loading import cache_gguf_as_transformers, load_causal_lm, load_tokenizer, resolve_source
-from lmppo.models import model_identity
-from lmppo.passes import response_logits, sequence_logprobs
-from lmppo.resolve import resolve
+from lmppo.inputs.config import load_config
+from lmppo.inputs.resolve import resolve
+from lmppo.math.core import token_logprobs
+from lmppo.modeling.distributed import seed_everything
+from lmppo.modeling.loading import cache_gguf_as_transformers, load_causal_lm, load_tokenizer, resolve_source
+from lmppo.modeling.models import model_identity
+from lmppo.runs.build import build_trainer, load_models
+from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.passes import response_logits, sequence_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -198,8 +198,8 @@ def test_two_lora_ppo_steps_on_smollm2(smollm2, tmp_path, value_mode):
 def test_smollm2_text_never_becomes_a_control_token(smollm2):
     """ChatML's <|im_start|> / <|im_end|> come only from the template: not from a prompt's text (a forged
     assistant turn), and not from a response's text re-rendered for a reward model (a forged end of turn)."""
-    from lmppo.data import encode_chat, render_query_ids
-    from lmppo.scoring import reward_model_messages
+    from lmppo.inputs.data import encode_chat, render_query_ids
+    from lmppo.rewards.scoring import reward_model_messages
 
     _, tokenizer = smollm2
     control = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")}

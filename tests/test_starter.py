@@ -9,12 +9,12 @@ import pytest
 import yaml
 from helpers import COUNT_GOOD, PROMPTS, run_cli
 
-from lmppo.config import load_config
 from lmppo.errors import LmppoError
-from lmppo.loading import load_model_config
-from lmppo.plan import memory_plan
-from lmppo.resolve import check_batches
-from lmppo.starter import StarterAnswers, commented_yaml, sized_starter
+from lmppo.inputs.config import load_config
+from lmppo.inputs.resolve import check_batches
+from lmppo.interface.starter import StarterAnswers, commented_yaml, sized_starter
+from lmppo.modeling.loading import load_model_config
+from lmppo.runs.plan import memory_plan
 
 
 def answers(run_files, **changes):
@@ -68,7 +68,7 @@ def test_lmppo_init_writes_a_config_that_runs_and_refuses_what_it_cannot_do(run_
 
 
 def test_a_large_policy_on_a_cpu_gets_lora_for_speed(run_files, monkeypatch):
-    from lmppo import starter as starter_module
+    from lmppo.interface import starter as starter_module
 
     monkeypatch.setattr(starter_module, "CPU_FULL_TUNING_MAX", 1000)  # the tiny policy counts as large
     starter = sized_starter(answers(run_files), device="cpu")
@@ -135,7 +135,7 @@ def bad_reward(run_files, tmp_path, kind: str) -> dict:
 def test_init_tries_the_reward_and_writes_nothing_when_it_cannot_score(
     run_files, tmp_path, monkeypatch, capsys, kind, message
 ):
-    monkeypatch.setattr("lmppo.remote_reward.FIRST_PAUSE_S", 0.01)
+    monkeypatch.setattr("lmppo.rewards.remote_reward.FIRST_PAUSE_S", 0.01)
     flags = [item for pair in bad_reward(run_files, tmp_path, kind).items() for item in pair]
     policy, prompts = str(run_files.parent / "policy"), str(run_files.parent / "prompts.jsonl")
     assert run_cli("init", str(tmp_path / "mine.yaml"), "--policy", policy, "--prompts", prompts, *flags) == 2

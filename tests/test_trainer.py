@@ -7,11 +7,11 @@ import pytest
 import torch
 from helpers import PROMPTS, toy_models, toy_trainer
 
-from lmppo.advantages import estimate
 from lmppo.errors import LmppoError
-from lmppo.lora import make_reference
-from lmppo.metrics import METRIC_NAMES
-from lmppo.sft import sft_batch
+from lmppo.modeling.lora import make_reference
+from lmppo.training.advantages import estimate
+from lmppo.training.metrics import METRIC_NAMES
+from lmppo.training.sft import sft_batch
 
 
 @pytest.mark.slow
@@ -225,9 +225,9 @@ def test_micro_batch_accumulation_equals_the_full_minibatch():
 def test_gradient_checkpointing_recomputes_each_layer_and_gives_the_same_gradients(lora, monkeypatch):
     from transformers.models.llama import modeling_llama
 
-    from lmppo.config import LoraConfig
-    from lmppo.lora import with_lora
-    from lmppo.models import enable_gradient_checkpointing
+    from lmppo.inputs.config import LoraConfig
+    from lmppo.modeling.lora import with_lora
+    from lmppo.modeling.models import enable_gradient_checkpointing
 
     def models(checkpointed: bool):
         built = toy_models()
@@ -258,7 +258,7 @@ def test_gradient_checkpointing_recomputes_each_layer_and_gives_the_same_gradien
 def test_token_budget_micro_batches_give_the_gradient_of_one_pass():
     """ppo.micro_batch_tokens: each forward holds at most the budget (padding included), rows longest first,
     and the token-weighted accumulation gives the same gradient as one pass over the minibatch."""
-    from lmppo.rollout import token_budget_micro_batches
+    from lmppo.sampling.rollout import token_budget_micro_batches
 
     whole = toy_trainer("ppo.ppo_epochs=1", "ppo.minibatch_size=8")
     reference = first_update_gradients(whole)
@@ -281,7 +281,7 @@ def test_token_budget_micro_batches_give_the_gradient_of_one_pass():
 
 @pytest.mark.parametrize("shared", [False, True], ids=["separate", "shared-trunk"])
 def test_critic_warmup_trains_only_the_critic_then_the_policy(shared):
-    from lmppo.models import ValueModel
+    from lmppo.modeling.models import ValueModel
 
     models = toy_models()
     if shared:
@@ -314,7 +314,7 @@ def test_a_hackable_component_rises_apart_from_one_the_policy_cannot_move():
     and the score PPO uses is the weighted sum of the two."""
     from helpers import COUNT_GOOD
 
-    from lmppo.scoring import CombinedReward, ScoredComponent, load_reward_function
+    from lmppo.rewards.scoring import CombinedReward, ScoredComponent, load_reward_function
 
     models = dataclasses.replace(
         toy_models(),
@@ -339,9 +339,9 @@ def test_a_hackable_component_rises_apart_from_one_the_policy_cannot_move():
 
 def test_a_shared_trunk_critic_takes_its_stored_values_from_the_decode_loop():
     """No values pass (``perf/values_s`` 0), and the step's numbers are those of the values pass."""
-    from lmppo.build import generator_options
-    from lmppo.hf_engine import HFGenerator
-    from lmppo.models import ValueModel
+    from lmppo.modeling.models import ValueModel
+    from lmppo.runs.build import generator_options
+    from lmppo.sampling.hf_engine import HFGenerator
 
     def shared_models():
         models = toy_models()

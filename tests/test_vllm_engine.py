@@ -26,12 +26,12 @@ from helpers import (
 )
 from transformers import LlamaForCausalLM
 
-from lmppo.core import token_logprobs
-from lmppo.hf_engine import HFGenerator
-from lmppo.loading import load_causal_lm, load_tokenizer
-from lmppo.lora import apply_lora
-from lmppo.metrics import read_metrics
-from lmppo.passes import response_logits
+from lmppo.math.core import token_logprobs
+from lmppo.modeling.loading import load_causal_lm, load_tokenizer
+from lmppo.modeling.lora import apply_lora
+from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.passes import response_logits
+from lmppo.training.metrics import read_metrics
 
 PROMPTS = ["tell me about the cat", "write a short poem", "tell me a story", "the day was very happy"]
 TOLERANCE = 1e-4
@@ -64,7 +64,7 @@ def tiny_dir(tmp_path_factory):
 def engine(tiny_dir):
     """One engine for the module: start-up takes seconds."""
     pytest.importorskip("vllm")
-    from lmppo.vllm_engine import VLLMGenerator
+    from lmppo.sampling.vllm_engine import VLLMGenerator
 
     policy, tokenizer = load_causal_lm(tiny_dir), load_tokenizer(tiny_dir)
     generator = VLLMGenerator(policy, tokenizer, tiny_dir, max_new_tokens=12, temperature=0.7, seed=0)
@@ -113,9 +113,9 @@ def test_engine_rollout_masks_termination_and_logprobs_match_the_trainer(engine)
 def test_a_ppo_step_syncs_the_engine_to_the_new_weights(engine):
     from helpers import toy_trainer
 
-    from lmppo.lora import make_reference
-    from lmppo.models import PPOModels, ValueModel
-    from lmppo.scoring import load_reward_function
+    from lmppo.modeling.lora import make_reference
+    from lmppo.modeling.models import PPOModels, ValueModel
+    from lmppo.rewards.scoring import load_reward_function
 
     policy, tokenizer, generator = engine
     models = PPOModels(
@@ -142,7 +142,7 @@ def test_lora_weight_sync_serves_each_new_adapter_and_keeps_the_base_weights(tin
     """weight_sync="lora": the engine keeps the base weights and serves the adapter saved at each sync, so
     after every sync its log-probs are the LoRA policy's (two syncs: the second adapter replaces the first)."""
     pytest.importorskip("vllm")
-    from lmppo.vllm_engine import VLLMGenerator
+    from lmppo.sampling.vllm_engine import VLLMGenerator
 
     tokenizer = load_tokenizer(tiny_dir)
     policy = apply_lora(load_causal_lm(tiny_dir), r=4, alpha=8, target_modules="all-linear")

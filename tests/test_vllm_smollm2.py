@@ -6,16 +6,16 @@ import pytest
 import torch
 from test_smollm2 import CACHE_DIR, PROMPTS, assert_masks_around_im_end, smollm2_gguf
 
-from lmppo.core import token_logprobs
-from lmppo.loading import cache_gguf_as_transformers, load_causal_lm, load_tokenizer
-from lmppo.passes import response_logits
+from lmppo.math.core import token_logprobs
+from lmppo.modeling.loading import cache_gguf_as_transformers, load_causal_lm, load_tokenizer
+from lmppo.sampling.passes import response_logits
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_engine_on_smollm2_stops_at_im_end_and_matches_the_trainer():
     pytest.importorskip("vllm")
-    from lmppo.vllm_engine import VLLMGenerator
+    from lmppo.sampling.vllm_engine import VLLMGenerator
 
     directory = cache_gguf_as_transformers(smollm2_gguf(), CACHE_DIR)
     policy, tokenizer = load_causal_lm(directory), load_tokenizer(directory)

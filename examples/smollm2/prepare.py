@@ -84,7 +84,7 @@ def write_prompts(judge) -> dict[str, list[dict]]:
 
 
 def load_model():
-    from lmppo.loading import cache_gguf_as_transformers, load_causal_lm, load_tokenizer
+    from lmppo.modeling.loading import cache_gguf_as_transformers, load_causal_lm, load_tokenizer
 
     start = time.perf_counter()
     directory = cache_gguf_as_transformers(smollm2_gguf(), CACHE_DIR)
@@ -165,7 +165,7 @@ def make_pairs(judge, model, tokenizer, rows: list[dict], split: str, args) -> t
     """``args.samples_per_prompt`` responses per prompt, judged (all written to samples_{split}.jsonl): the
     natural pairs (the first two responses, ranked by the judge's reward) and the correctness-contrast
     pairs (new ones only)."""
-    from lmppo.hf_engine import HFGenerator
+    from lmppo.sampling.hf_engine import HFGenerator
 
     k = args.samples_per_prompt
     generator = HFGenerator(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=1.0)
@@ -227,7 +227,7 @@ def spread_over_kinds(rows: list[dict], n: int, seed: int) -> list[dict]:
 
 
 def baseline(judge, model, tokenizer, rows: list[dict], args) -> None:
-    from lmppo.hf_engine import HFGenerator
+    from lmppo.sampling.hf_engine import HFGenerator
 
     picked = spread_over_kinds(rows, args.baseline, args.seed)
     k = args.baseline_samples

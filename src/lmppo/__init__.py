@@ -12,9 +12,10 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``lmppo.train``: the Python API (:mod:`lmppo.api`), imported when first used (it loads torch)."""
+    """``lmppo.train``: the Python API (:mod:`lmppo.interface.api`), imported when first used (it loads
+    torch)."""
     if name in ("train", "TrainResult"):
-        from lmppo import api
+        from lmppo.interface import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'lmppo' has no attribute {name!r}")

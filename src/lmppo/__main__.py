@@ -1,5 +1,5 @@
 """``python -m lmppo`` is the ``lmppo`` command."""
 
-from lmppo.cli import main
+from lmppo.interface.cli import main
 
 main()

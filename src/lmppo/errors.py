@@ -52,8 +52,8 @@ def with_context(err: LmppoError, context: str) -> LmppoError:
 
 
 class GuardAbort(LmppoError):
-    """A guard (lmppo.guards) stopped the run after saving an ``aborted`` checkpoint. It exits with 3, so a
-    job scheduler tells a run that watched itself fail from bad input (2) and does not requeue it as is."""
+    """A guard (lmppo.runs.guards) stopped the run after saving an ``aborted`` checkpoint. It exits with 3, so
+    a job scheduler tells a run that watched itself fail from bad input (2) and does not requeue it as is."""
 
     exit_code = 3
 

@@ -2,6 +2,8 @@
 
 `build_toy_world` writes an untrained policy, the reward tokenizer and the data sets to a directory;
 `gold_score` is the judge that evaluation (never training) may consult. See docs/toy_world.md.
+
+May import: the other basics (:mod:`lmppo.errors`).
 """
 
 from lmppo.toy.models import ToyWorld, build_policy, build_toy_world, reward_model_from_policy

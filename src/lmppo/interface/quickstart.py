@@ -1,0 +1,211 @@
+"""``lmppo quickstart``: the classic RLHF pipeline on the embedded toy world, end to end on a CPU.
+
+toy world (tokenizers + tiny Llamas + data, from a seed) -> SFT on noisy demonstrations -> Bradley-Terry
+reward model (started from the SFT transformer, InstructGPT-style) on gold-judge-labelled pairs -> PPO
+(policy from SFT, reference = SFT, critic from the RM) -> held-out evaluation of SFT and PPO with the RM
+and the hidden gold judge -> HTML report. ``--beta 0`` shows reward hacking: RM score up, gold down, until a
+guard stops the run and the diagnosis names over-optimisation (the report is written all the same).
+Settings live in ``lmppo/toy/quickstart.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from lmppo.errors import GuardAbort, LmppoError
+from lmppo.errors import console as make_console
+from lmppo.inputs.config import QuickstartConfig, TrainingStage, apply_override, validate_config
+from lmppo.inputs.data import read_jsonl
+from lmppo.inputs.resolve import resolve
+from lmppo.modeling.loading import load_causal_lm, load_tokenizer
+from lmppo.modeling.models import PPOModels
+from lmppo.runs.build import generator_options, load_reward
+from lmppo.runs.evaluate import EvalResult, evaluate_policy, summary_table, write_eval_json
+from lmppo.runs.report import report
+from lmppo.runs.run import train
+from lmppo.toy.models import ToyWorld, build_toy_world, load_toy_world, reward_model_from_policy
+from lmppo.toy.task import gold_score, task_of
+from lmppo.training.reward_modeling import evaluate_reward_model, train_reward_model, write_rm_eval_json
+from lmppo.training.sft import train_sft
+
+console = make_console()
+STAGE_SECTIONS = ("sft", "reward_model")  # override prefixes that address a stage, not the PPO run
+
+# The CI-sized run: less data, fewer epochs and PPO steps (same models and task).
+FAST_DATA = {"sft_train": 1200, "sft_test": 100, "prefs_train": 1200, "prefs_test": 200, "prompts_test": 64}
+FAST_OVERRIDES = ("sft.epochs=6", "reward_model.epochs=5", "run.steps=20", "run.eval_every=0")
+
+
+def quickstart_config(out_dir: Path, models_dir: Path, world, overrides: list[str]) -> QuickstartConfig:
+    """The packaged settings with this run's paths (the SFT and RM under ``models_dir``), then the user's
+    overrides (PPO keys need no prefix)."""
+    raw = yaml.safe_load(resources.files("lmppo.toy").joinpath("quickstart.yaml").read_text())
+    paths = [
+        f"models.policy.path={models_dir / 'sft'}",
+        f"reward.model.path={models_dir / 'rm'}",
+        f"data.prompts={world.data['prompts_train']}",
+        f"data.ptx_demonstrations={world.data['sft_train']}",  # read only when ppo.ptx_coef > 0
+        f"run.output_dir={out_dir / 'ppo'}",
+    ]
+    for override in [*paths, *overrides]:
+        stage = override.split(".", 1)[0] in STAGE_SECTIONS
+        apply_override(raw, override if stage else f"ppo_run.{override}")
+    return validate_config(raw, source="quickstart settings", schema=QuickstartConfig)
+
+
+def train_sft_and_reward_model(out_dir: Path, world: ToyWorld, cfg: QuickstartConfig, seed: int) -> dict:
+    """Stages 2 and 3: the SFT policy (``out_dir/sft``) and the reward model (``out_dir/rm``); returns the
+    RM's held-out evaluation."""
+    with console.status("[2/6] SFT on noisy demonstrations"):
+        tokenizer = load_tokenizer(world.policy_dir)
+        policy = load_causal_lm(world.policy_dir)
+        sft = train_sft(
+            policy,
+            tokenizer,
+            read_jsonl(world.data["sft_train"]),
+            epochs=cfg.sft.epochs,
+            lr=cfg.sft.lr,
+            batch_size=cfg.sft.batch_size,
+            seed=seed,
+        )
+        policy.save_pretrained(out_dir / "sft")
+        tokenizer.save_pretrained(out_dir / "sft")
+    console.print(f"[2/6] SFT: {sft['steps']} steps, final loss {sft['loss'][-1]:.3f}, {sft['time_s']:.0f} s")
+
+    with console.status("[3/6] reward model: Bradley-Terry on preference pairs, from the SFT transformer"):
+        rm, rm_tokenizer, rm_stats = train_toy_reward_model(
+            policy, world, cfg.reward_model, seed, out_dir / "rm"
+        )
+        rm_eval = evaluate_reward_model(rm, rm_tokenizer, read_jsonl(world.data["prefs_test"]))
+    console.print(
+        f"[3/6] reward model: held-out accuracy {rm_eval['accuracy']:.3f} ({rm_stats['time_s']:.0f} s)"
+    )
+    return rm_eval
+
+
+def train_toy_reward_model(policy, world: ToyWorld, stage: TrainingStage, seed: int, out: Path):
+    """The reward model stage: the policy's transformer with a new score head (``seed``), trained on the
+    world's preference pairs and saved to ``out``; returns the model, its tokenizer and the training stats."""
+    rm_tokenizer = load_tokenizer(world.reward_tokenizer_dir)
+    rm = reward_model_from_policy(policy, rm_tokenizer, seed=seed)
+    pairs = read_jsonl(world.data["prefs_train"])
+    stats = train_reward_model(
+        rm, rm_tokenizer, pairs, epochs=stage.epochs, lr=stage.lr, batch_size=stage.batch_size, seed=seed
+    )
+    rm.save_pretrained(out)
+    rm_tokenizer.save_pretrained(out)
+    return rm, rm_tokenizer, stats
+
+
+def prepare_world(
+    out_dir: Path, models_dir: Path, *, reuse: bool, seed: int, fast: bool, overrides: list[str]
+) -> tuple[ToyWorld, QuickstartConfig]:
+    """Stage 1: the toy world (built afresh, or with ``reuse`` the one whose models ``models_dir`` holds)
+    and the config."""
+    if (out_dir / "ppo").exists():
+        raise LmppoError(f"{out_dir} already holds a quickstart run; remove it or pass --out NEW_DIR")
+    if reuse and not (models_dir / "ppo" / "rm_eval.json").is_file():
+        raise LmppoError(f"{models_dir} holds no finished quickstart to reuse; run one there first")
+    with console.status("[1/6] building the toy world: tokenizers, tiny Llamas, data"):
+        if not reuse:
+            world = build_toy_world(out_dir / "world", seed=seed, sizes=FAST_DATA if fast else None)
+        else:  # the same seed's world: its SFT policy and RM were trained on it
+            world = load_toy_world(models_dir / "world")
+        cfg = quickstart_config(out_dir, models_dir, world, [*(FAST_OVERRIDES if fast else ()), *overrides])
+        cfg.ppo_run.run.seed = seed
+    console.print(f"[1/6] toy world in {models_dir / 'world'}")
+    return world, cfg
+
+
+def run_quickstart(
+    out_dir: str | Path = "runs/quickstart",
+    *,
+    seed: int = 0,
+    fast: bool = False,
+    overrides: list[str] = (),
+    models_from: str | Path | None = None,
+) -> dict:
+    """Run every stage; returns the evaluation summary (also printed and written to the run).
+
+    ``models_from``: the directory of an earlier quickstart of the same seed whose world, SFT policy and
+    reward model this run reuses (stages 1-3 skipped): PPO settings compared on the same models.
+    """
+    out_dir, started = Path(out_dir), time.perf_counter()
+    models_dir = Path(models_from) if models_from is not None else out_dir
+    reuse = models_from is not None
+    world, cfg = prepare_world(out_dir, models_dir, reuse=reuse, seed=seed, fast=fast, overrides=overrides)
+    if models_from is None:
+        rm_eval = train_sft_and_reward_model(out_dir, world, cfg, seed)
+    else:
+        rm_eval = json.loads((models_dir / "ppo" / "rm_eval.json").read_text())
+        console.print(f"[2-3/6] SFT policy and reward model of {models_dir}")
+    tokenizer = load_tokenizer(models_dir / "sft")
+
+    ppo_cfg = cfg.ppo_run
+    eval_prompts = [row["prompt"] for row in read_jsonl(world.data["prompts_test"])]
+    demos = read_jsonl(world.data["sft_test"])
+
+    def evaluate(policy_model, reference, reward_fn) -> EvalResult:
+        return evaluate_policy(
+            policy_model,
+            tokenizer,
+            eval_prompts,
+            reward_fn=reward_fn,
+            reference=reference,
+            gold_fn=gold_score,
+            demonstrations=demos,
+            slices=[task_of(prompt).kind for prompt in eval_prompts],
+            generator_options=generator_options(ppo_cfg),
+            batch_size=ppo_cfg.run.eval_batch_size,
+            seed=seed,
+        )
+
+    def periodic_eval(models: PPOModels):
+        return lambda: evaluate(models.policy, models.reference, models.reward).metrics
+
+    console.print(
+        f"[4/6] PPO: {ppo_cfg.run.steps} steps of {ppo_cfg.rollout.batch_size} prompts, "
+        f"beta {ppo_cfg.kl.beta}"
+    )
+    try:
+        run_dir = train(ppo_cfg, evaluator_factory=periodic_eval)
+    except GuardAbort as abort:  # the run stopped itself: its report still shows why
+        write_rm_eval_json(abort.run_dir, rm_eval)
+        raise GuardAbort(
+            f"{abort}\nThe report of the stopped run: {report(abort.run_dir)}", abort.run_dir
+        ) from None
+    write_rm_eval_json(run_dir, rm_eval)
+
+    with console.status("[5/6] held-out evaluation of SFT and PPO"):
+        sft_policy = load_causal_lm(models_dir / "sft")
+        ppo_policy = load_causal_lm(run_dir / "final")
+        spec = resolve(ppo_cfg)
+        scorer = load_reward(ppo_cfg.reward, spec.rewards, spec.device).reward  # the frozen RM, as in PPO
+        results = {
+            "SFT": evaluate(sft_policy, sft_policy, scorer),  # the reference is the SFT policy itself
+            "PPO": evaluate(ppo_policy, sft_policy, scorer),
+        }
+        summary = write_eval_json(run_dir, results, baseline="SFT")
+    console.print("[5/6] held-out evaluation")
+    console.print(summary_table(summary))
+
+    finish(run_dir, started, seed, rm_eval, summary)
+    return summary
+
+
+def finish(run_dir: Path, started: float, seed: int, rm_eval: dict, summary: dict) -> None:
+    """Stage 6: the report, and ``quickstart.json`` (minutes, seed, RM accuracy, the evaluation summary)."""
+    html = report(run_dir)
+    minutes = (time.perf_counter() - started) / 60
+    (run_dir / "quickstart.json").write_text(
+        json.dumps(
+            {"minutes": minutes, "seed": seed, "rm_accuracy": rm_eval["accuracy"], "summary": summary},
+            indent=2,
+        )
+    )
+    console.print(f"[6/6] report: {html}\nquickstart took {minutes:.1f} min")

@@ -1,0 +1,206 @@
+"""A step's typed results and the metrics named from them: what scoring and the estimator report, and what
+one micro-batch, one minibatch and the update report to :class:`lmppo.training.trainer.PPOTrainer`.
+The trainer steers by these records' fields; the dictionaries here are only what is logged.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import astuple, dataclass, fields, replace
+
+import torch
+
+from lmppo.math import core
+from lmppo.modeling.distributed import all_sum
+from lmppo.sampling.rollout import EstimatedRollout, ScoredRollout
+
+
+@dataclass
+class TokenMeans:
+    """A micro-batch's statistics as token means over its response tokens; weighted by each micro-batch's
+    share of the global minibatch's tokens and summed, the minibatch's global token means."""
+
+    policy_loss: float = 0.0
+    clip_frac: float = 0.0
+    approx_kl: float = 0.0
+    entropy: float = 0.0
+    ratio_mean: float = 0.0
+    ratio_sq: float = 0.0  # for the ratio's standard deviation
+    value_loss: float = 0.0
+    value_clip_frac: float = 0.0
+    logp_gap: float = 0.0  # |logp_new - the sampler's logp_old|: before any update, engine vs trainer
+    kl_loss: float = 0.0  # kl.in_loss: the k3 estimate of KL(new || reference) per token
+
+    def add(self, other: TokenMeans, weight: float) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name) * weight)
+
+
+@dataclass
+class MinibatchResult:
+    """One optimiser step: global token means, pre-clip gradient norms, the largest ratio on this rank."""
+
+    means: TokenMeans
+    policy_grad_norm: float
+    value_grad_norm: float | None  # None without a critic
+    ratio_max: float
+    finite: bool  # both gradient norms finite: the step was applied
+    ptx_loss: float | None = None
+
+
+@dataclass
+class UpdateResult:
+    """The PPO epochs of one step."""
+
+    metrics: dict[str, float]  # policy/*, value/*, engine/logp_gap, ptx/loss: means over the updates
+    epochs: int
+    updates: int
+    nonfinite_updates: int  # optimiser steps skipped for a NaN/inf gradient
+    policy_moved: bool
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The reward side of a step, beside its scored record: the metrics it logs and the per-token KL."""
+
+    metrics: dict[str, float]
+    kl_per_token: torch.Tensor  # (B, R) KL(sampler || reference) per action token, 0 elsewhere (this rank)
+
+    @property
+    def kl_ref(self) -> float:
+        """The global mean per-sequence KL, for the controller."""
+        return self.metrics["kl/ref"]
+
+    @property
+    def mean_length(self) -> float:
+        """Response tokens per row (all ranks)."""
+        return self.metrics["response/length"]
+
+    def with_metrics(self, metrics: dict[str, float]) -> Scores:
+        return replace(self, metrics=self.metrics | metrics)
+
+
+@dataclass(frozen=True)
+class RewardEstimates:
+    """What the advantages were computed from, for the metrics."""
+
+    rewards: torch.Tensor  # (B, R) shaped
+    beta: float  # the KL coefficient in the rewards
+    adv_mean: float  # before whitening
+    adv_std: float
+    flat_groups: torch.Tensor | None = None  # (B,) bool, group baselines: the row's group scored alike
+    kl_in_reward: bool = True  # False under kl.in_loss: the update's loss carries it (policy/kl_loss)
+
+
+def row_means(per_row: dict[str, torch.Tensor], rows: int, device, group) -> dict[str, float]:
+    """Each (B,) quantity's mean over all ranks' rows."""
+    every_row = torch.ones(1, rows, device=device)
+    return {key: core.masked_mean(value[None], every_row, group).item() for key, value in per_row.items()}
+
+
+def scored_metrics(
+    scored: ScoredRollout,
+    rm_score_raw: torch.Tensor,
+    kl_per_token: torch.Tensor,
+    component_rows: dict[str, torch.Tensor] | None,
+    group,
+) -> dict[str, float]:
+    """The reward side of a scored rollout: sequence-level quantities averaged over all ranks' rows, the
+    rollout's age and the non-finite count. ``component_rows`` (with the score used) when preprocessing or
+    components make it differ from the raw."""
+    mask = scored.response_mask
+    per_row = {
+        "reward/rm_score": rm_score_raw,
+        "kl/ref": kl_per_token.sum(1),
+        "response/length": mask.sum(1),
+        "response/eos_frac": scored.terminated.float(),
+        "response/truncated_frac": (~scored.terminated).float(),
+    }
+    if component_rows is not None:
+        per_row["reward/rm_score_used"] = scored.rm_score
+        per_row.update(component_rows)
+    metrics = row_means(per_row, len(scored), mask.device, group)
+    metrics["lag/rollout_age_s"] = time.time() - scored.created_at
+    metrics["health/nonfinite"] = nonfinite_count(
+        rm_score_raw, scored.logp_ref, scored.values, scored.action_mask, group
+    )
+    return metrics
+
+
+def estimate_metrics(
+    estimated: EstimatedRollout, e: RewardEstimates, kl_per_token: torch.Tensor, group
+) -> dict[str, float]:
+    """The estimator's side: the shaped reward and its KL penalty per sequence, the advantages' statistics
+    and, with a critic, the value fit."""
+    per_row = {"reward/shaped": e.rewards.sum(1)}
+    if e.kl_in_reward:
+        per_row["reward/kl_penalty"] = -e.beta * kl_per_token.sum(1)
+    if e.flat_groups is not None:  # no learning signal from a group whose samples all scored the same
+        per_row["adv/flat_group_frac"] = e.flat_groups.float()
+    metrics = row_means(per_row, len(estimated), estimated.response_mask.device, group)
+    metrics |= {"adv/mean": e.adv_mean, "adv/std": e.adv_std}
+    if estimated.values is not None:  # a critic-free run logs no value metrics rather than zeros
+        metrics["value/explained_var"] = core.explained_variance(
+            estimated.values, estimated.returns, estimated.action_mask, group
+        ).item()
+    return metrics
+
+
+def update_metrics(totals: TokenMeans, results: list[MinibatchResult], kl_in_loss: bool) -> dict[str, float]:
+    """The update's metrics: each statistic's mean over its optimiser steps."""
+    n = len(results)
+    mean = TokenMeans(*(value / n for value in astuple(totals)))
+    metrics = {
+        "policy/loss": mean.policy_loss,
+        "policy/clip_frac": mean.clip_frac,
+        "policy/approx_kl": mean.approx_kl,
+        "policy/entropy": mean.entropy,
+        "policy/ratio_mean": mean.ratio_mean,
+        "policy/ratio_std": math.sqrt(max(mean.ratio_sq - mean.ratio_mean**2, 0.0)),
+        "policy/grad_norm": sum(r.policy_grad_norm for r in results) / n,
+    }
+    if results[0].value_grad_norm is not None:  # a critic-free run logs no value metrics rather than zeros
+        metrics["value/loss"] = mean.value_loss
+        metrics["value/clip_frac"] = mean.value_clip_frac
+        metrics["value/grad_norm"] = sum(r.value_grad_norm for r in results) / n
+    if kl_in_loss:
+        metrics["policy/kl_loss"] = mean.kl_loss
+    if results[0].ptx_loss is not None:
+        metrics["ptx/loss"] = sum(r.ptx_loss for r in results) / n
+    return metrics
+
+
+def step_metrics(
+    scores: Scores,
+    update: UpdateResult,
+    *,
+    beta: float | None,
+    lag: int,
+    seconds: dict[str, float],
+    n_tokens: float,
+) -> dict[str, float]:
+    """One step's metrics from its records: the reward side, the update, the controller's beta (None: no KL
+    coefficient in this step), the lag and the phase times with the throughputs made from them."""
+    return {
+        **scores.metrics,
+        **update.metrics,
+        "policy/epochs": float(update.epochs),
+        "policy/updates": float(update.updates),
+        "health/nonfinite_updates": float(update.nonfinite_updates),
+        **({} if beta is None else {"kl/beta": beta}),
+        "lag/policy_versions": float(lag),
+        "health/nonfinite": scores.metrics["health/nonfinite"] + update.nonfinite_updates,
+        **seconds,
+        "perf/rollout_tokens_per_s": n_tokens / max(seconds["perf/rollout_s"], 1e-9),
+        "perf/train_tokens_per_s": n_tokens * update.epochs / max(seconds["perf/update_s"], 1e-9),
+        "perf/peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def nonfinite_count(rm_score_raw, logp_ref, values, mask, group) -> float:
+    """Non-finite scores, reference log-probs and values if any (on response tokens) over all ranks' rows."""
+    per_token = [t for t in (logp_ref, values) if t is not None]
+    checked = [rm_score_raw, *(torch.where(mask.bool(), t, 0.0) for t in per_token)]
+    return all_sum(sum((~torch.isfinite(t)).sum().double() for t in checked), group).item()

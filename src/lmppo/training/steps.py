@@ -1,0 +1,262 @@
+"""What every step of a run shares, whatever it trains with: the parts and counters (:class:`Stepper`),
+and the two stages before any update, each returning the next stage's record:
+
+1. **Sample** (:meth:`Stepper.sample`): prompts from the stream through the engine, with the current policy,
+   into a :class:`~lmppo.sampling.rollout.Rollout` that records the policy version and ``logp_old``; a rollout
+   older than ``rollout.max_rollout_age`` is sampled again. With ``rollout.asynchronous`` the batch sampled
+   during the last update is taken and the next one started (:class:`lmppo.sampling.engines.RolloutsAhead`).
+2. **Score** (:meth:`Stepper.score`): the reward's raw score of each response and its preprocessing, the
+   reference's log-probs, the critic's values and, under ``ppo.tis_cap``, the trainer's own log-probs, into
+   a :class:`~lmppo.sampling.rollout.ScoredRollout` and the reward side's metrics (:class:`Scores`).
+
+:class:`lmppo.training.trainer.PPOTrainer` then estimates advantages and runs PPO's update;
+:class:`lmppo.training.best_of_n.BestOfNTrainer` fine-tunes on each group's best. Neither computes the other's
+work.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lmppo.errors import LmppoError
+from lmppo.inputs.config import Config
+from lmppo.inputs.data import PromptStream
+from lmppo.inputs.resolve import RunSpec
+from lmppo.math import core
+from lmppo.modeling.distributed import (
+    CommCounter,
+    failing_together,
+    full_tensor,
+    gathered,
+    trained_state_bytes,
+)
+from lmppo.modeling.models import PPOModels, autocast
+from lmppo.progress import phase
+from lmppo.rewards.scoring import CombinedReward
+from lmppo.sampling.engines import Generator, RolloutsAhead
+from lmppo.sampling.passes import sequence_logprobs, value_predictions
+from lmppo.sampling.rollout import Rollout, ScoredRollout
+from lmppo.training.metrics import timed
+from lmppo.training.step_results import Scores, UpdateResult, scored_metrics, step_metrics
+
+
+@dataclass
+class TrainerParts:
+    """What a trainer steps with, ready-made (:func:`lmppo.runs.build.build_trainer`)."""
+
+    models: PPOModels
+    train_module: nn.Module  # the update's forward: policy and critic, under DDP wrapped to sync gradients
+    generator: Generator
+    prompt_stream: PromptStream
+    reward: CombinedReward
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    kl_controller: core.FixedKLController
+    comm_counter: CommCounter | None = None  # bytes the collectives moved (several ranks)
+    ptx_batches: Callable[[], dict[str, torch.Tensor]] | None = None  # PPO-ptx demonstrations
+
+
+class Stepper:
+    """The parts a run's step works with and the counters a checkpoint keeps
+    (:mod:`lmppo.runs.trainer_state`); a subclass's ``step`` is one iteration of its algorithm."""
+
+    def __init__(self, cfg: Config, spec: RunSpec, parts: TrainerParts, *, group=None, rank: int = 0) -> None:
+        self.cfg, self.spec, self.group = cfg, spec, group
+        self.rank, self.world_size = rank, spec.world_size
+        vars(self).update(vars(parts))  # the ready-made parts under their own names (models, generator, ...)
+        models = self.models
+        self.policy, self.reference, self.value_model = models.policy, models.reference, models.value
+        self.device, self.precision = spec.device, spec.precision
+        torch.set_float32_matmul_precision(spec.fp32_matmul_precision)  # process-wide, as the run is
+        r = cfg.rollout  # rows or a token budget per forward of the passes without gradients:
+        self.stored_pass_batching = dict(
+            forward_batch_size=r.forward_batch_size, forward_batch_tokens=r.forward_batch_tokens
+        )
+        self.shuffle_generator = torch.Generator().manual_seed(cfg.run.seed + 1 + rank)
+        self.step_count = 0  # steps done
+        self.policy_version = 0  # steps that changed the policy; each rollout records the one it saw
+        self.episodes = 0  # responses generated (all ranks)
+        self.tokens = 0  # response tokens generated (all ranks)
+        # rollout.asynchronous: the next batch samples on a worker thread while this one is updated on
+        self.ahead = (
+            RolloutsAhead(self.generator, self.prompt_stream, self.autocast)
+            if spec.engine.asynchronous
+            else None
+        )
+
+    def autocast(self):
+        """The numerics of every forward pass: bf16 autocast under ``run.precision=bf16``, else nothing."""
+        return autocast(self.precision, self.device)
+
+    def step(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------------------------------------
+    # 1. Sample
+    # ----------------------------------------------------------------------------------------------
+
+    def sample(self, seconds: dict[str, float]) -> Rollout:
+        """This step's rollout from the engine (the module docstring); its times into ``seconds``."""
+        trained_weights = None if self.spec.engine.owns_weights else self.policy
+        with (
+            phase("generating"),
+            timed(seconds, "perf/rollout_s"),
+            self.autocast(),
+            gathered(trained_weights),
+        ):
+            rollout = self.collect_rollout()
+        seconds["perf/generation_s"] = rollout.generation_s or seconds["perf/rollout_s"]
+        return rollout
+
+    def collect_rollout(self) -> Rollout:
+        """Generate for the next prompts, or asynchronously take the batch sampled during the last update
+        and start sampling the next; regenerate when the rollout lags more than allowed."""
+        max_age = self.cfg.rollout.max_rollout_age
+        rollout = self.ahead.take() if self.ahead is not None else None
+        for _ in range(3):
+            if rollout is None or self.policy_version - rollout.policy_version > max_age:
+                batch = self.prompt_stream.next_samples()
+                rollout = self.generator.generate(batch.prompts, self.policy_version, batch.sample_ids)
+            if self.policy_version - rollout.policy_version <= max_age:
+                if self.ahead is not None:
+                    self.ahead.start_next(self.policy_version)
+                return rollout
+        raise LmppoError(
+            f"the generator keeps returning rollouts {self.policy_version - rollout.policy_version} policy "
+            f"versions old (rollout.max_rollout_age={max_age}); check that it syncs the policy weights"
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    # 2. Score
+    # ----------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def score(self, rollout: Rollout) -> tuple[ScoredRollout, Scores]:
+        """The reward, the reference's log-probs, values and the trainer's own log-probs (module docstring);
+        the scored record and the reward side's metrics."""
+        mask, stored_pass, seconds = rollout.action_mask, self.stored_pass_batching, {}
+        with timed(seconds, "perf/reward_s"), self.autocast(), gathered(*self.models.reward_models):
+            with failing_together(self.group):  # a reward function failing on one rank stops every rank
+                raw = self.reward.raw_scores(rollout.prompts, rollout.response_texts)
+        rm_score_raw = self.reward.weighted(raw).to(mask.device)
+        rm_score, component_rows, transform_stats = self.reward.shape(
+            raw, rollout.terminated.to(mask.device), self.group
+        )
+        # A truncated row either ends the episode (scored, nothing after it) or is unfinished (its future,
+        # score included, is V(s_after)): never both, or truncation would be paid twice.
+        if self.spec.estimator.bootstrap_truncated:
+            rm_score = torch.where(rollout.terminated, rm_score, 0.0)
+        with timed(seconds, "perf/reference_s"), self.autocast(), gathered(self.reference):
+            logp_ref = sequence_logprobs(self.reference, rollout, **stored_pass)
+        values = {}
+        if self.value_model is not None:  # critic-free runs have no values
+            values = self._values(rollout, seconds)
+        tis = self._truncated_importance_sampling(rollout) if self.cfg.ppo.tis_cap else {}
+        scored = ScoredRollout.after(rollout, rm_score=rm_score, logp_ref=logp_ref, **values, **tis)
+        kl_per_token = torch.where(
+            mask.bool(), core.kl_estimate(scored.logp_old_for_update, logp_ref, self.cfg.kl.estimator), 0.0
+        )
+        shown_used = transform_stats or component_rows or self.spec.estimator.bootstrap_truncated
+        metrics = scored_metrics(
+            scored, rm_score_raw, kl_per_token, component_rows if shown_used else None, self.group
+        )
+        metrics |= transform_stats | seconds
+        if tis:
+            clipped = (tis["tis_weights"] >= self.cfg.ppo.tis_cap).float()
+            metrics["engine/tis_clip_frac"] = core.masked_mean(clipped, mask, self.group).item()
+        return scored, Scores(metrics, kl_per_token)
+
+    def _values(self, rollout: Rollout, seconds: dict[str, float]) -> dict[str, torch.Tensor]:
+        """``values`` and ``bootstrap_value`` from the current critic: a stored pass, unless the decode loop
+        read them off the current policy's trunk already."""
+        if rollout.values is not None and rollout.policy_version == self.policy_version:
+            seconds["perf/values_s"] = 0.0
+            return {}
+        with timed(seconds, "perf/values_s"), self.autocast(), gathered(*self._value_modules()):
+            values, bootstrap_value = value_predictions(
+                self.value_model, rollout, **self.stored_pass_batching
+            )
+        return {"values": values, "bootstrap_value": bootstrap_value}
+
+    def _value_modules(self) -> tuple[nn.Module, ...]:
+        """What a value pass runs: the critic, and with a shared trunk the policy that holds it."""
+        return (self.value_model, self.policy) if self.value_model.shared_trunk else (self.value_model,)
+
+    def _truncated_importance_sampling(self, rollout: Rollout) -> dict[str, torch.Tensor]:
+        """``ppo.tis_cap``: the trainer's own log-probs of the samples (``logp_trainer``), which the PPO ratio
+        is then taken against, and per-token weights ``min(p_trainer / p_sampler, cap)`` (``tis_weights``).
+        ``logp_old`` stays the sampler's."""
+        with self.autocast(), gathered(self.policy):
+            logp_trainer = sequence_logprobs(self.policy, rollout, **self.stored_pass_batching)
+        weights = core.truncated_importance_weights(
+            logp_trainer, rollout.logp_old, rollout.action_mask, self.cfg.ppo.tis_cap
+        )
+        return {"logp_trainer": logp_trainer, "tis_weights": weights}
+
+    # ----------------------------------------------------------------------------------------------
+    # After the update
+    # ----------------------------------------------------------------------------------------------
+
+    def clip_gradients(self) -> tuple[float, float | None]:
+        """Clip policy and critic gradients separately; return their pre-clip norms (None: no critic).
+
+        ``clip_grad_norm_`` in two halves: the scaling pass runs only when it would change a gradient
+        (its factor is clamped at 1), which saves a read and write of every gradient on most steps.
+        Under FSDP2 the gradients are shards: their norm is reduced over the ranks (``full_tensor``).
+        """
+        max_norm = self.cfg.ppo.max_grad_norm or float("inf")
+        norms = []
+        for group in self.optimizer.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.tensor(0.0)
+            norm_value = float(full_tensor(norm))
+            if max_norm / (norm_value + 1e-6) < 1.0:  # clip_grad_norm_'s factor; NaN / inf skip the step
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            norms.append(norm_value)
+        return norms[0], norms[1] if len(norms) > 1 else None
+
+    def end_step(self) -> None:
+        """The learning-rate schedule and the step count move on: the schedule counts steps, also one whose
+        updates were all skipped (a non-finite gradient, no winner of best-of-n), where torch would warn."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            self.scheduler.step()
+        self.step_count += 1
+
+    def step_metrics(
+        self, scores: Scores, update: UpdateResult, beta: float | None, lag: int, seconds: dict[str, float]
+    ) -> dict[str, float]:
+        """The step's metrics from its records (``beta``: the KL coefficient the rewards used, if any), and
+        the run's counts of episodes and tokens moved on."""
+        n_tokens = scores.mean_length * self.cfg.rollout.responses_per_step
+        self.episodes += self.cfg.rollout.responses_per_step
+        self.tokens += round(n_tokens)
+        metrics = step_metrics(scores, update, beta=beta, lag=lag, seconds=seconds, n_tokens=n_tokens)
+        if self.device.type == "cuda":
+            metrics["perf/peak_gpu_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+        if self.comm_counter is not None:
+            metrics.update(self.comm_counter.take())
+        metrics["perf/trained_state_mb"] = trained_state_bytes(self.optimizer) / 2**20
+        return metrics
+
+    def sync_generator(self, seconds: dict[str, float] | None = None) -> None:
+        """Give an engine that samples from its own copy of the weights (vLLM, a snapshot) the current
+        policy; its time goes to ``seconds["perf/weight_sync_s"]``."""
+        if not self.spec.engine.owns_weights:  # the decode loop samples from the trained module itself
+            return
+        if self.ahead is not None:  # the batch in flight finishes on the weights it started with
+            self.ahead.finished()
+        with timed(seconds if seconds is not None else {}, "perf/weight_sync_s"):
+            self.generator.sync_weights(self.policy, self.policy_version)
+
+    def close(self, abandon: bool = False) -> None:
+        """Let the batch in flight finish and shut the engine down (vLLM: before the process group ends);
+        ``abandon`` (the run failed, a rank may be gone): drop both without any collective teardown."""
+        if self.ahead is not None:
+            self.ahead.close(abandon)
+        self.generator.close(abandon)
