@@ -343,6 +343,43 @@ def test_gae_padding_never_leaks_and_bootstrap_only_for_truncated_rows():
     assert adv[0, 3] == 0 and ret[0, 3] == 0
 
 
+def test_gae_skips_holes_of_every_length_as_one_credit_path():
+    """Multi-turn episodes put context tokens (tool output, template glue) between the policy's actions. GAE
+    over the actions skips those holes: credit flows from an action to the previous action across any hole,
+    never reset there (the seeds' reference recursion resets at masked positions and would cut credit at
+    every tool call). Every mask of 7 positions, each a row; what the holes hold is never read."""
+    length, gamma, lam = 7, 0.9, 0.8
+    masks = torch.tensor(
+        [[(m >> t) & 1 for t in range(length)] for m in range(2**length)], dtype=torch.float32
+    )
+    gen = torch.Generator().manual_seed(11)
+    rewards, values = torch.randn(masks.shape, generator=gen), torch.randn(masks.shape, generator=gen)
+    bootstrap = torch.randn(len(masks), generator=gen)
+    adv, ret = core.gae(rewards, values, masks, gamma, lam, bootstrap_value=bootstrap)
+    for row, mask in enumerate(masks):
+        actions = mask.nonzero().flatten().tolist()  # the credit path: the actions in order, holes left out
+        expected = brute_force_gae(
+            rewards[row, actions][None],
+            values[row, actions][None],
+            torch.ones(1, len(actions)),
+            gamma,
+            lam,
+            bootstrap[row : row + 1],
+        )[0]
+        assert torch.allclose(adv[row, actions], expected, atol=1e-5), mask
+        assert torch.all(adv[row][mask == 0] == 0) and torch.all(ret[row][mask == 0] == 0)
+    holes = masks == 0  # NaN in every hole changes nothing
+    adv_nan, ret_nan = core.gae(
+        rewards.masked_fill(holes, float("nan")),
+        values.masked_fill(holes, float("nan")),
+        masks,
+        gamma,
+        lam,
+        bootstrap_value=bootstrap,
+    )
+    assert torch.equal(adv_nan, adv) and torch.equal(ret_nan, ret)
+
+
 # --------------------------------------------------------------------------------------------------
 # Losses
 # --------------------------------------------------------------------------------------------------
