@@ -335,21 +335,21 @@ def lmppo_trainer(args, world: Path):
 def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[dict], list, int, dict]:
     import torch
 
-    from lmppo.training import trainer as trainer_module
+    from lmppo.training import steps as steps_module
 
     trainer = lmppo_trainer(args, world)
 
     lengths: list[tuple[int, int]] = []  # (prompt, response) tokens of every row generated
     generate = trainer.generator.generate
 
-    def generate_and_count(prompts, policy_version, sample_ids=None):
-        rollout = generate(prompts, policy_version, sample_ids)
+    def generate_and_count(prompts, policy_version, sample_ids=None, rows=None):
+        rollout = generate(prompts, policy_version, sample_ids, rows)
         lengths.extend(zip(rollout.query_mask.sum(1).tolist(), rollout.response_mask.sum(1).tolist()))
         return rollout
 
     trainer.generator.generate = clock.wrap("generation", generate_and_count)
-    trainer_module.sequence_logprobs = clock.wrap("logprobs", trainer_module.sequence_logprobs)
-    trainer_module.value_predictions = clock.wrap("values", trainer_module.value_predictions)
+    steps_module.sequence_logprobs = clock.wrap("logprobs", steps_module.sequence_logprobs)
+    steps_module.value_predictions = clock.wrap("values", steps_module.value_predictions)
     # the variant rows (LoRA reference, shared trunk) go through these same functions
     trainer.reward.raw_scores = clock.wrap("scoring", trainer.reward.raw_scores)
     trainer.micro_batch_loss = clock.wrap("update_forward", trainer.micro_batch_loss)

@@ -11,8 +11,8 @@ from helpers import PROMPTS, comparable, count_good, run_cli
 import lmppo
 from lmppo.errors import LmppoError
 from lmppo.inputs.config import load_config
-from lmppo.rewards.scoring import PYTHON_FUNCTIONS
 from lmppo.training.metrics import read_metrics
+from lmppo.user_code import PYTHON_FUNCTIONS
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "python_api.py"
 

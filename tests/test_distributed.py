@@ -69,7 +69,7 @@ class FixedRollouts:
     def __init__(self, rollout):
         self.rollout = rollout
 
-    def generate(self, prompts, policy_version, sample_ids=None):
+    def generate(self, prompts, policy_version, sample_ids=None, rows=None):
         return dataclasses.replace(self.rollout, policy_version=policy_version)
 
     def sync_weights(self, policy, policy_version):

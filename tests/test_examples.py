@@ -8,7 +8,8 @@ import yaml
 
 from lmppo.errors import UserCodeError
 from lmppo.inputs.config import Config, SupervisedConfig, load_config
-from lmppo.rewards.scoring import load_function, load_reward_function
+from lmppo.rewards.scoring import load_reward_function
+from lmppo.user_code import load_function
 
 ROOT = Path(__file__).resolve().parents[1]
 JUDGE = "examples/smollm2/judge.py"

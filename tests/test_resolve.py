@@ -44,6 +44,20 @@ def test_cross_section_refusals_come_before_any_load(run_files):
         resolve(load_config(run_files, ["models.policy.dtype=bfloat16"]))
 
 
+def test_an_environment_settles_its_episode_budget_and_refuses_what_it_cannot_run_with(run_files):
+    env = "rollout.environment=lmppo.sampling.environments:SingleTurn"
+    spec = resolve(load_config(run_files, [env, "rollout.max_turns=3", "models.value.mode=shared"]))
+    assert spec.engine.environment.endswith(":SingleTurn") and spec.engine.max_episode_tokens == 3 * 6
+    assert not spec.engine.values_from_decode  # an episode's values come from a pass over all of it
+    spec = resolve(load_config(run_files, [env, "rollout.max_total_tokens=40"]))
+    assert spec.engine.max_episode_tokens == 40
+    assert resolve(load_config(run_files)).engine.max_episode_tokens == 6  # no environment: one response
+    with pytest.raises(LmppoError, match=r"rollout.asynchronous, data.raw_prompts cannot run with it yet"):
+        resolve(load_config(run_files, [env, "rollout.asynchronous=true", "data.raw_prompts=true"]))
+    with pytest.raises(LmppoError, match=r"rollout.max_total_tokens=4 is below rollout.max_new_tokens=6"):
+        resolve(load_config(run_files, [env, "rollout.max_total_tokens=4"]))
+
+
 @pytest.mark.parametrize(
     ("strategy", "shard_frozen", "engine", "shards", "frozen_shards", "from_decode"),
     [

@@ -56,6 +56,9 @@ def test_first_update_sees_ratio_one_and_metrics_are_complete():
                 "policy/kl_loss",  # kl.in_loss only
                 "adv/flat_group_frac",  # group baselines only
                 "bon/",  # best-of-n rounds only
+                "episode/",  # an environment's episodes only
+                "reward/turn",
+                "perf/environment_s",
                 "sft/",
             )
         )
@@ -126,7 +129,7 @@ class StaleGenerator(Wrapped):
     def __init__(self, inner, ages):
         self.inner, self.ages, self.calls = inner, list(ages), 0
 
-    def generate(self, prompts, policy_version, sample_ids=None):
+    def generate(self, prompts, policy_version, sample_ids=None, rows=None):
         self.calls += 1
         age = self.ages.pop(0) if self.ages else 99
         return dataclasses.replace(
@@ -140,7 +143,7 @@ class OffByEngine(Wrapped):
     def __init__(self, inner, shift):
         self.inner, self.shift = inner, shift
 
-    def generate(self, prompts, policy_version, sample_ids=None):
+    def generate(self, prompts, policy_version, sample_ids=None, rows=None):
         rollout = self.inner.generate(prompts, policy_version, sample_ids)
         self.true_logp = rollout.logp_old.clone()
         return dataclasses.replace(rollout, logp_old=rollout.logp_old - self.shift)

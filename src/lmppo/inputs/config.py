@@ -340,6 +340,23 @@ class RolloutConfig(Section):
         "bootstrap (the length limit is part of the task); 'bootstrap' = unfinished, no score, GAE "
         "bootstraps from V(state after the last token)",
     )
+    environment: str | None = Field(
+        None,
+        description="multi-turn episodes: an environment class, 'path/to/file.py:MyEnv' or 'module:MyEnv', "
+        "that answers each turn of the policy (tool results, a user's next turn) until it says done; null = "
+        "one response per prompt (docs/multiturn.md)",
+    )
+    max_turns: int = Field(
+        4,
+        gt=0,
+        description="environment: the policy's turns per episode at most; one still going is truncated",
+    )
+    max_total_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="environment: the tokens after the prompt per episode at most, actions and context; "
+        "null = max_turns x max_new_tokens",
+    )
     forward_batch_size: int | None = Field(None, gt=0, description="micro-batch of the stored passes")
     forward_batch_tokens: int | None = Field(
         None,

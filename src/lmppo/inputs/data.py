@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import importlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,23 +58,35 @@ def render_chat(
 def encode_chat(
     tokenizer, messages: list[dict[str, str]], chat_template: str | None, *, add_generation_prompt: bool
 ) -> list[int]:
-    """Token ids of a conversation in which only the template makes control tokens.
+    """Token ids of a conversation in which only the template makes control tokens (:func:`encode_rendered`)."""
+    return encode_rendered(
+        tokenizer,
+        messages,
+        lambda shown: render_chat(
+            tokenizer, shown, chat_template, add_generation_prompt=add_generation_prompt
+        ),
+    )
+
+
+def encode_rendered(
+    tokenizer, messages: list[dict[str, str]], render: Callable[[list[dict[str, str]]], str]
+) -> list[int]:
+    """Token ids of ``render(messages)``, a text the chat template made around ``messages``, in which only the
+    template makes control tokens.
 
     A message whose text spells a special token (``<|im_end|>``, ``</s>``, ...) would otherwise become
-    that control token and could forge a turn: prompt text opening an assistant turn, or a response
-    spelling an end of turn for the reward model. Such text is tokenised as plain text, message by
-    message, between the template's own pieces. Text without special tokens is tokenised in one piece.
+    that control token and could forge a turn: prompt text opening an assistant turn, a tool's output or a
+    response spelling an end of turn. Such text is tokenised as plain text, message by message, between the
+    template's own pieces. Text without special tokens is tokenised in one piece.
     """
-    text = render_chat(tokenizer, messages, chat_template, add_generation_prompt=add_generation_prompt)
     specials = _special_token_texts(tokenizer)
     if not any(special in m["content"] for m in messages for special in specials):
-        return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds any BOS
+        return tokenizer(render(messages), add_special_tokens=False)[
+            "input_ids"
+        ]  # the template holds any BOS
     marked = [{**m, "content": f"{_MARK}{i}{_MARK}"} for i, m in enumerate(messages)]
-    pieces = render_chat(tokenizer, marked, chat_template, add_generation_prompt=add_generation_prompt).split(
-        _MARK
-    )
     ids = []
-    for k, piece in enumerate(pieces):
+    for k, piece in enumerate(render(marked).split(_MARK)):
         if k % 2 == 0:  # the template's own text, control tokens included
             ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
             continue
@@ -90,6 +103,60 @@ def encode_chat(
             )
         ids += content_ids
     return ids
+
+
+def encode_context(
+    tokenizer,
+    chat_template: str | None,
+    history: list[dict[str, str]],
+    turn: str,
+    stop_text: str,
+    inserted: list[dict[str, str]],
+    *,
+    more_turns: bool,
+) -> list[int]:
+    """Token ids of the context that follows a policy's turn in an episode: what the chat template writes
+    after the turn's stop token, the ``inserted`` messages (an environment's), and the next generation
+    prompt when ``more_turns``. ``history``: the conversation before the turn; ``turn``: the turn's text,
+    whose own tokens (``stop_text`` last) are the sampled ones, never re-tokenised.
+
+    The context is the difference between the conversation rendered with and without it, so the template
+    must extend a conversation by appending to its text; one that rewrites earlier turns (drops a reasoning
+    block, moves a date) cannot hold an episode, and the error says so.
+    """
+    before = render_chat(tokenizer, history, chat_template, add_generation_prompt=True)
+    ended = render_chat(
+        tokenizer,
+        [*history, {"role": "assistant", "content": turn}],
+        chat_template,
+        add_generation_prompt=False,
+    )
+    rendered_turn = _extension(before, ended, "an assistant turn")
+    if stop_text not in rendered_turn:
+        raise LmppoError(
+            f"the chat template ends an assistant turn with {rendered_turn[-40:]!r}, without the stop token "
+            f"{stop_text!r} the policy ended its turn with; give the policy a template that closes a turn with "
+            "its stop token (models.policy.chat_template), or add that token to rollout.stop_token_ids"
+        )
+    glue = rendered_turn[rendered_turn.rindex(stop_text) + len(stop_text) :]  # after the sampled stop token
+
+    def render(shown: list[dict[str, str]]) -> str:
+        conversation = [*history, {"role": "assistant", "content": turn}, *shown]
+        text = render_chat(tokenizer, conversation, chat_template, add_generation_prompt=more_turns)
+        return glue + _extension(ended, text, "the environment's messages")
+
+    return encode_rendered(tokenizer, inserted, render)
+
+
+def _extension(text: str, extended: str, what: str) -> str:
+    """What ``extended`` appends to ``text``; an error when it does not start with it."""
+    if not extended.startswith(text):
+        raise LmppoError(
+            f"the chat template does not extend a conversation by appending {what}: it rewrites the text "
+            "before it, so the tokens already sampled would not be what the policy sees. Give the policy a "
+            "template that renders each turn the same whatever follows (models.policy.chat_template)"
+        )
+    return extended[len(text) :]
 
 
 _MARK = "\u2063lmppo-message\u2063"  # stands for a message's text while the template renders (invisible separator)
@@ -313,6 +380,11 @@ def load_located_prompts(
     return [(where, prompt_of_row(row, where, key, knob)) for where, row in rows]
 
 
+def load_prompt_rows(source: PromptSource, split: str | None = None) -> list[dict[str, Any]]:
+    """Every prompt row whole, all its columns, in file order: what an environment resets on."""
+    return [row for _, row in _located_rows(source, split)]
+
+
 def load_prompts(
     source: PromptSource, split: str | None = None, key: str | None = None, knob: str = "data.prompt_key"
 ) -> list[Prompt]:
@@ -351,6 +423,7 @@ class PromptBatch:
 
     prompts: list[Prompt]
     sample_ids: list[int]
+    rows: list[dict[str, Any]] | None = None  # each prompt's whole row, for an environment (or None)
 
 
 class PromptStream:
@@ -371,12 +444,14 @@ class PromptStream:
         seed: int,
         rank: int = 0,
         world_size: int = 1,
+        rows: list[dict[str, Any]] | None = None,
     ) -> None:
         if batch_size % world_size:
             raise LmppoError(f"rollout.batch_size={batch_size} must be divisible by the {world_size} ranks")
         if batch_size > len(prompts):
             raise LmppoError(f"rollout.batch_size={batch_size} is larger than the {len(prompts)} prompts")
-        self.prompts, self.batch_size, self.shuffle, self.seed = prompts, batch_size, shuffle, seed
+        self.prompts, self.rows = prompts, rows
+        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.samples_per_prompt = samples_per_prompt
         self.rank, self.world_size = rank, world_size
         self.epoch, self.cursor = 0, 0
@@ -404,8 +479,9 @@ class PromptStream:
         ) * self.samples_per_prompt
         self.cursor += self.batch_size
         mine = order[self.rank * per_rank : (self.rank + 1) * per_rank]
-        prompts = [self.prompts[i] for i in mine for _ in range(self.samples_per_prompt)]
-        return PromptBatch(prompts, list(range(first, first + len(prompts))))
+        picked = [i for i in mine for _ in range(self.samples_per_prompt)]
+        rows = None if self.rows is None else [self.rows[i] for i in picked]
+        return PromptBatch([self.prompts[i] for i in picked], list(range(first, first + len(picked))), rows)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "cursor": self.cursor}

@@ -77,6 +77,8 @@ class EngineSpec:
     weight_sync: str  # rollout.vllm_weight_sync: "merged" or "lora"
     values_from_decode: bool  # a shared-trunk critic's values read off the decode loop's hidden states
     bootstrap_values: bool  # the decode loop also values the state after a truncated row's last token
+    environment: str | None  # rollout.environment: episodes of several turns, or one response per prompt
+    max_episode_tokens: int  # the tokens after the prompt a rollout row may hold (all of an episode's turns)
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,7 @@ def resolve_engine(cfg: Config, estimator: EstimatorSpec, device: torch.device, 
     (under FSDP2 the head is sharded with the trunk, so the trainer's gathered values pass stays)."""
     r = cfg.rollout
     vllm, shared_critic = r.engine == "vllm", estimator.critic and cfg.models.value.mode == "shared"
+    episodes = r.environment is not None
     return EngineSpec(
         kind=r.engine,
         asynchronous=r.asynchronous,
@@ -180,8 +183,13 @@ def resolve_engine(cfg: Config, estimator: EstimatorSpec, device: torch.device, 
         # vLLM's sleep mode frees GPU memory; an engine sampling during the update must stay awake
         sleeps=vllm and not r.asynchronous and device.type == "cuda",
         weight_sync=r.vllm_weight_sync,
-        values_from_decode=shared_critic and not sharded and not vllm and not r.asynchronous,
+        # an episode's turns are sampled one by one: its values come from the stored pass over all of it
+        values_from_decode=shared_critic and not sharded and not vllm and not r.asynchronous and not episodes,
         bootstrap_values=estimator.bootstrap_truncated,  # terminal: the estimator zeroes it anyway
+        environment=r.environment,
+        max_episode_tokens=(r.max_total_tokens or r.max_turns * r.max_new_tokens)
+        if episodes
+        else r.max_new_tokens,
     )
 
 
@@ -455,12 +463,36 @@ def check_engine(cfg: Config) -> None:
             "rollout.asynchronous overlaps sampling with a PPO update; best-of-n fine-tunes on each round's "
             "winners before sampling again, so it has nothing to overlap; remove the key"
         )
+    if cfg.rollout.environment is not None:
+        check_episodes(cfg)
     if cfg.rollout.engine != "vllm":
         return
     if cfg.models.policy.gguf_file or not Path(cfg.models.policy.path).is_dir():
         raise LmppoError(
             "rollout.engine=vllm loads models.policy.path as a transformers directory; convert a "
             "GGUF file first (lmppo.modeling.loading.cache_gguf_as_transformers)"
+        )
+
+
+def check_episodes(cfg: Config) -> None:
+    """What ``rollout.environment`` runs with: the transformers engine, sampling in step, chat prompts, PPO
+    or a critic-free estimator."""
+    refused = {
+        "rollout.engine=vllm": cfg.rollout.engine == "vllm",
+        "rollout.asynchronous": cfg.rollout.asynchronous,
+        "data.raw_prompts": cfg.data.raw_prompts,
+        "run.algorithm=best_of_n": cfg.run.algorithm == "best_of_n",
+    }
+    if on := [key for key, set_ in refused.items() if set_]:
+        raise LmppoError(
+            f"rollout.environment plays episodes with the transformers engine, synchronously, on chat prompts "
+            f"in a PPO run (docs/multiturn.md); {', '.join(on)} cannot run with it yet: remove "
+            f"{'it' if len(on) == 1 else 'them'}, or rollout.environment"
+        )
+    if cfg.rollout.max_total_tokens is not None and cfg.rollout.max_total_tokens < cfg.rollout.max_new_tokens:
+        raise LmppoError(
+            f"rollout.max_total_tokens={cfg.rollout.max_total_tokens} is below rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens}, so not even one turn fits; raise it or leave it unset"
         )
 
 

@@ -81,8 +81,8 @@ def train(
     the CLI prints.
     """
     from lmppo.modeling.loading import quiet_transformers
-    from lmppo.rewards.scoring import python_function_spec
     from lmppo.runs.run import train as run_training
+    from lmppo.user_code import python_function_spec
 
     raw = _raw_config(config)
     for override in overrides:

@@ -8,26 +8,22 @@ mask, not by searching for pad ids (which misfires when pad == EOS).
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import math
 import re
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lmppo.errors import LmppoError, read_from, user_code_error, warn
+from lmppo.errors import LmppoError, user_code_error, warn
 from lmppo.inputs.data import Prompt, as_messages, encode_chat, render_chat
 from lmppo.math.core import masked_mean, masked_var
 from lmppo.modeling.models import ValueModel, eval_mode
 from lmppo.sampling.rollout import token_budget_groups
+from lmppo.user_code import load_function
 
 
 class RewardFunction(Protocol):
@@ -181,77 +177,6 @@ class ProgrammaticReward:
                 f"reward function {self.name} returned {scores.numel()} scores for {len(responses)} responses."
             )
         return scores
-
-
-# Functions handed to the Python API (lmppo.train(reward=fn)): the config names them "python:NAME"
-PYTHON_FUNCTIONS: dict[str, Callable] = {}
-
-
-def python_function_spec(function: Callable) -> str:
-    """Register ``function`` for this process under its name; returns the spec a config holds for it."""
-    name = getattr(function, "__qualname__", None) or type(function).__name__
-    PYTHON_FUNCTIONS[name] = function
-    return f"python:{name}"
-
-
-def load_function(spec: str, what: str = "reward function") -> Callable:
-    """Import ``"package.module:function"`` or ``"path/to/file.py:function"`` (relative to the working
-    directory), or look up a ``"python:NAME"`` function given to the Python API; errors name ``what``."""
-    if spec.startswith("python:"):
-        if spec.removeprefix("python:") not in PYTHON_FUNCTIONS:
-            raise LmppoError(
-                f"{what} {spec!r} was a Python function given to lmppo.train in another process; pass it "
-                "again (lmppo.train(..., reward=function)), or name an importable one: 'module:function'"
-            )
-        return PYTHON_FUNCTIONS[spec.removeprefix("python:")]
-    module_name, sep, attribute = spec.rpartition(":")
-    if not sep or not module_name or not attribute:
-        raise LmppoError(
-            f"{what} {spec!r} must look like 'package.module:function' or 'path/to/file.py:function'."
-        )
-    module = (
-        _import_file(module_name, spec, what)
-        if module_name.endswith(".py")
-        else _import_module(module_name, spec, what)
-    )
-    function = getattr(module, attribute, None)
-    if function is None:
-        raise LmppoError(f"{what} {spec!r}: module {module_name!r} has no attribute {attribute!r}.")
-    if not callable(function):
-        raise LmppoError(f"{what} {spec!r}: {attribute!r} is a {type(function).__name__}, not a function.")
-    return function
-
-
-def _import_module(name: str, spec: str, what: str):
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        raise LmppoError(
-            f"{what} {spec!r}: cannot import module {name!r} ({err}); check the name and that it is importable "
-            "(installed, or on PYTHONPATH), or give a file: 'path/to/file.py:function'."
-        ) from err
-
-
-def _import_file(path: str, spec: str, what: str):
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise LmppoError(f"{what} {spec!r}: no file {file}{read_from(file)}.")
-    name = f"lmppo_user_{file.stem}_{hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:8]}"
-    if name not in sys.modules:  # import once: the module may build tables at import time
-        module_spec = importlib.util.spec_from_file_location(name, file)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except SyntaxError as err:
-            del sys.modules[name]
-            raise LmppoError(
-                f"{what} {spec!r}: {err.filename}, line {err.lineno}: {err.msg}; fix the file"
-            ) from None
-        except Exception as err:
-            del sys.modules[name]
-            raise user_code_error(f"{what} {spec!r}, while its file was imported,", err) from None
-    return sys.modules[name]
 
 
 def load_reward_function(spec: str) -> ProgrammaticReward:

@@ -13,14 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lmppo.math import core
-from lmppo.training.best_of_n import BestOfNTrainer
+from lmppo.errors import LmppoError
 from lmppo.inputs.config import Config, KLConfig, PPOConfig, RewardComponent, RewardConfig, RewardSource
 from lmppo.inputs.data import Prompt, PromptStream
+from lmppo.inputs.resolve import EngineSpec, RoleSpec, RunSpec
+from lmppo.math import core
 from lmppo.modeling.distributed import CommCounter, data_parallel, shard_models
-from lmppo.sampling.engines import Generator
-from lmppo.errors import LmppoError
-from lmppo.sampling.hf_engine import HFGenerator, SnapshotGenerator
 from lmppo.modeling.loading import (
     DTYPES,
     freeze,
@@ -30,7 +28,13 @@ from lmppo.modeling.loading import (
     resolve_source,
     weight_files,
 )
-from lmppo.modeling.lora import inputs_left_to_autocast, make_reference, unwrap_model, with_lora, without_adapters
+from lmppo.modeling.lora import (
+    inputs_left_to_autocast,
+    make_reference,
+    unwrap_model,
+    with_lora,
+    without_adapters,
+)
 from lmppo.modeling.models import (
     PPOModels,
     ValueModel,
@@ -39,11 +43,9 @@ from lmppo.modeling.models import (
     model_identity,
     trainable_parameters,
 )
-from lmppo.sampling.passes import PolicyAndValue
-from lmppo.progress import phase, size
 from lmppo.modeling.quantize import offload
+from lmppo.progress import phase, size
 from lmppo.rewards.remote_reward import RemoteReward
-from lmppo.inputs.resolve import EngineSpec, RoleSpec, RunSpec
 from lmppo.rewards.scoring import (
     CombinedReward,
     RewardModelScorer,
@@ -51,6 +53,12 @@ from lmppo.rewards.scoring import (
     ScoreTransform,
     load_reward_function,
 )
+from lmppo.sampling.engines import Generator
+from lmppo.sampling.environments import load_environment
+from lmppo.sampling.episodes import EpisodeGenerator
+from lmppo.sampling.hf_engine import HFGenerator, SnapshotGenerator
+from lmppo.sampling.passes import PolicyAndValue
+from lmppo.training.best_of_n import BestOfNTrainer
 from lmppo.training.steps import Stepper, TrainerParts
 from lmppo.training.trainer import PPOTrainer
 
@@ -260,19 +268,36 @@ def generator_options(cfg: Config) -> dict:
 
 def build_generator(cfg: Config, spec: RunSpec, models: PPOModels) -> Generator:
     """The rollout engine ``rollout.engine`` names, with the config's sampling settings; with
-    ``rollout.asynchronous`` the transformers decode loop runs on its own copy of the policy."""
+    ``rollout.asynchronous`` the transformers decode loop runs on its own copy of the policy; with
+    ``rollout.environment`` it samples each turn of an episode."""
     engine = spec.engine
     if engine.kind == "vllm":
         return vllm_engine(cfg, engine, models.policy, models.tokenizer, dtype=spec.compute_dtype)
     if engine.asynchronous:  # a plain copy of the starting policy (before any sharding)
         snapshot = without_adapters(copy.deepcopy(unwrap_model(models.policy)))
         return SnapshotGenerator(snapshot, models.tokenizer, seed=cfg.run.seed, **generator_options(cfg))
-    return HFGenerator(
+    generator = HFGenerator(
         models.policy,
         models.tokenizer,
         value_model=models.value if engine.values_from_decode else None,
         bootstrap_values=engine.bootstrap_values,
         **generator_options(cfg),
+    )
+    return with_environment(cfg, engine, generator)
+
+
+def with_environment(cfg: Config, engine: EngineSpec, generator: HFGenerator) -> Generator:
+    """``generator`` playing ``rollout.environment``'s episodes, when the run has one (training, its
+    pre-flight and both evaluations sample alike)."""
+    if engine.environment is None:
+        return generator
+    return EpisodeGenerator(
+        generator,
+        load_environment(engine.environment),
+        name=engine.environment,
+        max_turns=cfg.rollout.max_turns,
+        max_total_tokens=engine.max_episode_tokens,
+        seed=cfg.run.seed,
     )
 
 
@@ -353,13 +378,15 @@ def build_trainer(
     models: PPOModels,
     prompts: list[Prompt],
     *,
+    prompt_rows: list[dict] | None = None,
     generator: Generator | None = None,
     ptx_batches: Callable[[], dict[str, torch.Tensor]] | None = None,
     group: torch.distributed.ProcessGroup | None = None,
     rank: int = 0,
 ) -> Stepper:
     """The trainer and everything it steps with: the update's module (sharded or wrapped first), the
-    rollout engine (``generator`` replaces the configured one), this rank's prompt stream, the optimizer
+    rollout engine (``generator`` replaces the configured one), this rank's prompt stream (with each prompt's
+    whole row in ``prompt_rows``, for an environment), the optimizer
     and its schedule, the KL controller and the reward with its preprocessing."""
     # Dropout stays off for the whole run (as in TRL): the stored log-probs and values and the
     # update's first forward then agree exactly, so the first ratio is 1. Gradients still flow.
@@ -377,6 +404,7 @@ def build_trainer(
         seed=cfg.run.seed,
         rank=rank,
         world_size=spec.world_size,
+        rows=prompt_rows,
     )
     optimizer = build_optimizer(cfg.ppo, models)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -29,22 +29,23 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from lmppo.runs.build import generator_options, load_reward, vllm_engine
-from lmppo.inputs.config import Config, load_config
-from lmppo.math.core import kl_estimate
-from lmppo.inputs.data import Prompt, load_demonstrations, load_prompts
-from lmppo.modeling.distributed import all_sum, failing_together, gather_objects, gathered
-from lmppo.sampling.engines import Generator
 from lmppo.errors import LmppoError, user_code_error
-from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.inputs.config import Config, load_config
+from lmppo.inputs.data import Prompt, load_demonstrations, load_prompt_rows, load_prompts
+from lmppo.inputs.resolve import RunSpec, frozen_policy_source, resolve
+from lmppo.math.core import kl_estimate
+from lmppo.modeling.distributed import all_sum, failing_together, gather_objects, gathered
 from lmppo.modeling.loading import load_causal_lm, load_tokenizer
 from lmppo.modeling.models import autocast, eval_mode
-from lmppo.sampling.passes import sequence_logprobs
 from lmppo.progress import advance
-from lmppo.inputs.resolve import RunSpec, frozen_policy_source, resolve
+from lmppo.rewards.scoring import RewardFunction
+from lmppo.runs.build import generator_options, load_reward, vllm_engine, with_environment
+from lmppo.sampling.engines import Generator
+from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.passes import sequence_logprobs
 from lmppo.sampling.rollout import Rollout
-from lmppo.rewards.scoring import RewardFunction, load_function
 from lmppo.training.sft import response_nll_sum
+from lmppo.user_code import load_function
 
 GoldJudge = Callable[[Prompt, str], float]  # (prompt, response text) -> score, e.g. lmppo.toy.task.gold_score
 EVAL_FILE = "eval.json"
@@ -98,6 +99,7 @@ def evaluate_policy(
     group: torch.distributed.ProcessGroup | None = None,
     generator: Generator | None = None,
     sample_ids: Sequence[int] | None = None,
+    rows: Sequence[dict] | None = None,
 ) -> EvalResult:
     """Sample one response per held-out prompt and measure it (see the module docstring).
 
@@ -108,22 +110,24 @@ def evaluate_policy(
     ``group`` each rank passes its own share of prompts and demonstrations; rows and sums are gathered,
     so every rank returns the same, global result. ``generator``: the run's engine when it has its own
     (vLLM, holding ``policy``'s weights), else the transformers decode loop on ``policy``; ``sample_ids``:
-    each prompt's place in the whole held-out set (a seeded engine draws from them).
+    each prompt's place in the whole held-out set (a seeded engine draws from them); ``rows``: each
+    prompt's whole row, which an episode's environment resets on.
     """
     if not prompts and group is None:
         raise LmppoError("evaluation: no held-out prompts; check data.eval_prompts")
     generator = generator or HFGenerator(policy, tokenizer, **generator_options)
     sample_ids = list(range(len(prompts))) if sample_ids is None else list(sample_ids)
-    rows = []
+    measured = []
     with _seeded_rng(seed, policy), failing_together(group):  # a judge failing on one rank stops all
         for start in range(0, len(prompts), batch_size):
             end = start + batch_size
             advance("prompts", min(end, len(prompts)), len(prompts))
-            rollout = generator.generate(prompts[start:end], 0, sample_ids[start:end])
-            rows += _measure(rollout, reward_fn, policy, reference, gold_fn)
-    for row, name in zip(rows, slices or ()):
+            batch_rows = None if rows is None else rows[start:end]
+            rollout = generator.generate(prompts[start:end], 0, sample_ids[start:end], batch_rows)
+            measured += _measure(rollout, reward_fn, policy, reference, gold_fn)
+    for row, name in zip(measured, slices or ()):
         row["slice"] = str(name)
-    rows = [row for rank_rows in gather_objects(rows, group) for row in rank_rows]
+    rows = [row for rank_rows in gather_objects(measured, group) for row in rank_rows]
     metrics = _means(rows)
     if demonstrations is not None:
         with eval_mode(policy):
@@ -145,10 +149,12 @@ def run_evaluator(
     ``data.eval_demonstrations``' perplexity. Each rank takes every ``world_size``-th prompt and
     demonstration; the metrics are global. Sampling draws from its own seeded stream (training's
     RNG is untouched), with the same seed every time, so evaluations differ only by the policy.
-    ``generator``: the run's own engine when it samples from its own weights (vLLM), synced to the policy."""
+    ``generator``: the run's own engine when it samples from its own weights (vLLM), synced to the policy, or
+    plays episodes (``rollout.environment``, which resets on each held-out prompt's whole row)."""
     every_prompt = load_prompts(cfg.data.eval_prompts, key=cfg.data.prompt_key)
     prompts = every_prompt[rank::world_size]
     sample_ids = list(range(len(every_prompt)))[rank::world_size]
+    rows = load_prompt_rows(cfg.data.eval_prompts)[rank::world_size] if cfg.rollout.environment else None
     gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
     demonstrations = None
     if cfg.data.eval_demonstrations:
@@ -170,6 +176,7 @@ def run_evaluator(
             group=group,
             generator=generator,
             sample_ids=sample_ids,
+            rows=rows,
         ).metrics
 
     return evaluate
@@ -223,7 +230,7 @@ def _measure(rollout: Rollout, reward_fn, policy, reference, gold_fn) -> list[di
 
 
 def _sequence_kl(policy, reference, rollout: Rollout) -> torch.Tensor:
-    """(B,) per-sequence sum of k1 over the response mask.
+    """(B,) per-sequence sum of k1 over the policy's own tokens (the action mask).
 
     The policy's log-probs come from the same full forward as the reference's (not the generation's
     cached pass), so identical models give exactly 0.
@@ -231,7 +238,7 @@ def _sequence_kl(policy, reference, rollout: Rollout) -> torch.Tensor:
     logp = sequence_logprobs(policy, rollout)
     logp_ref = sequence_logprobs(reference, rollout)
     per_token = kl_estimate(logp, logp_ref, "k1")
-    return torch.where(rollout.response_mask.bool(), per_token, 0.0).sum(dim=1).cpu()
+    return torch.where(rollout.action_mask.bool(), per_token, 0.0).sum(dim=1).cpu()
 
 
 def _means(rows: Sequence[dict]) -> dict[str, float]:
@@ -378,6 +385,9 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
         for version, (name, policy) in enumerate((("start", start), ("PPO", final))):
             if engine is not None:
                 engine.sync_weights(policy, version)
+            generator = engine or with_environment(
+                cfg, spec.engine, HFGenerator(policy, tokenizer, **generator_options(cfg))
+            )
             results[name] = evaluate_policy(
                 policy,
                 tokenizer,
@@ -388,7 +398,8 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
                 generator_options=generator_options(cfg),
                 batch_size=cfg.run.eval_batch_size,
                 seed=cfg.run.seed,
-                generator=engine,
+                generator=generator,
+                rows=load_prompt_rows(prompts_path) if spec.engine.environment else None,
             )
     if engine is not None:
         engine.close()

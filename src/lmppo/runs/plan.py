@@ -21,16 +21,16 @@ from rich.console import Group
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from lmppo.errors import LmppoError
 from lmppo.inputs.config import Config, ModelSource, load_config
 from lmppo.inputs.data import load_prompts, render_query_ids
-from lmppo.errors import LmppoError
-from lmppo.sampling.hf_engine import prompt_room
+from lmppo.inputs.resolve import EngineSpec, RoleSpec, RunSpec, check_batches, frozen_sections, resolve
 from lmppo.modeling.loading import DTYPES, load_model_config, load_tokenizer, resolve_source, weight_files
 from lmppo.modeling.lora import with_lora
 from lmppo.modeling.models import make_value_model
-from lmppo.progress import size
 from lmppo.modeling.quantize import QUANTIZED_BYTES, quantizable_linears
-from lmppo.inputs.resolve import EngineSpec, RoleSpec, RunSpec, check_batches, frozen_sections, resolve
+from lmppo.progress import size
+from lmppo.sampling.hf_engine import prompt_room
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = GIB // 2  # the CUDA context and kernels: outside torch's allocator
@@ -324,7 +324,7 @@ def phase_bytes(
     act = 2 if precision == "bf16" else 4
     policy, critic = shapes["policy"], shapes.get("value")
     batch = max(cfg.rollout.responses_per_step // world_size, 1)
-    response = cfg.rollout.max_new_tokens
+    response = spec.engine.max_episode_tokens  # one response, or all of an episode's turns and context
     length = prompt_tokens + response
     by_role = {row.role: row for row in rows}
 
@@ -396,7 +396,7 @@ def _rollout_bytes(
     """The rollout on one rank: the static KV cache of the whole batch, one layer's prefill working set and
     the sampling logits (or vLLM's own cache and weights), and how it was sized."""
     act = 2 if spec.precision == "bf16" else 4
-    length = prompt_tokens + cfg.rollout.max_new_tokens
+    length = prompt_tokens + spec.engine.max_episode_tokens
     if spec.engine.kind == "vllm":
         rollout = cfg.rollout.vllm_kv_cache_gb * GIB + by_role["policy"].parameters * act  # its own weights
         return rollout, f"vLLM: {cfg.rollout.vllm_kv_cache_gb} GiB KV cache + its weights"

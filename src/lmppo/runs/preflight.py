@@ -28,13 +28,14 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from lmppo.runs.build import generator_options, load_policy, load_reward
-from lmppo.inputs.data import Prompt, load_prompts, prompt_slices
-from lmppo.runs.diagnose import Finding, reward_bias
-from lmppo.runs.evaluate import evaluate_policy
+from lmppo.inputs.data import Prompt, load_prompt_rows, load_prompts, prompt_slices
+from lmppo.inputs.resolve import resolve
 from lmppo.modeling.loading import load_tokenizer
 from lmppo.modeling.models import autocast
-from lmppo.inputs.resolve import resolve
+from lmppo.runs.build import generator_options, load_policy, load_reward, with_environment
+from lmppo.runs.diagnose import Finding, reward_bias
+from lmppo.runs.evaluate import evaluate_policy
+from lmppo.sampling.hf_engine import HFGenerator
 
 PREFLIGHT_FILE = "preflight.json"
 N_EXAMPLES = 3  # highest and lowest scored samples kept for reading
@@ -129,13 +130,10 @@ def _slice_statistics(rows: Sequence[dict]) -> dict[str, float]:
     }
 
 
-def preflight_prompts(
-    prompts: Sequence[Prompt], slices: Sequence[str] | None, n: int, seed: int, rank: int, world_size: int
-) -> tuple[list[Prompt], list[str] | None]:
-    """``n`` training prompts drawn with ``seed`` (the same for every rank), this rank's every
-    ``world_size``-th of them, and their slices."""
-    chosen = random.Random(seed).sample(range(len(prompts)), min(n, len(prompts)))[rank::world_size]
-    return [prompts[i] for i in chosen], [slices[i] for i in chosen] if slices is not None else None
+def preflight_prompts(prompts: Sequence[Prompt], n: int, seed: int, rank: int, world_size: int) -> list[int]:
+    """Which ``n`` training prompts to sample, drawn with ``seed`` (the same for every rank): this rank's
+    every ``world_size``-th of them."""
+    return random.Random(seed).sample(range(len(prompts)), min(n, len(prompts)))[rank::world_size]
 
 
 def run_preflight(
@@ -149,24 +147,27 @@ def run_preflight(
     world_size: int = 1,
     group=None,
     generator=None,
+    rows: Sequence[dict] | None = None,
 ) -> Preflight:
     """Sample ``diagnosis.preflight_batches * rollout.batch_size`` training prompts with ``policy`` as
-    training samples them (``generator``: the run's engine when it has its own weights), score them with
+    training samples them (``generator``: the run's engine when it has its own weights or plays episodes,
+    on the prompts' whole ``rows``), score them with
     ``reward_fn``, and summarise (global under a process group: every rank returns the same)."""
     n = cfg.diagnosis.preflight_batches * cfg.rollout.batch_size
-    mine, my_slices = preflight_prompts(prompts, slices, n, cfg.run.seed, rank, world_size)
+    chosen = preflight_prompts(prompts, n, cfg.run.seed, rank, world_size)
     result = evaluate_policy(
         policy,
         tokenizer,
-        mine,
+        [prompts[i] for i in chosen],
         reward_fn=reward_fn,
         generator_options=generator_options(cfg),
-        slices=my_slices,
+        slices=None if slices is None else [slices[i] for i in chosen],
         batch_size=cfg.run.eval_batch_size,
         seed=cfg.run.seed,
         group=group,
         generator=generator,
         sample_ids=list(range(n))[rank::world_size],
+        rows=None if rows is None else [rows[i] for i in chosen],
     )
     return summarise(result.rows)
 
@@ -183,6 +184,8 @@ def check_reward(cfg) -> tuple[Preflight, Finding | None]:
     reward = load_reward(cfg.reward, spec.rewards, spec.device).reward
     tokenizer = load_tokenizer(spec.policy.source)
     slices = prompt_slices(cfg.data.prompts, cfg.data.split, cfg.data.slice_key)
+    generator = with_environment(cfg, spec.engine, HFGenerator(policy, tokenizer, **generator_options(cfg)))
+    rows = load_prompt_rows(cfg.data.prompts, cfg.data.split) if spec.engine.environment else None
     with autocast(spec.precision, spec.device):
         preflight = run_preflight(
             cfg,
@@ -191,6 +194,8 @@ def check_reward(cfg) -> tuple[Preflight, Finding | None]:
             reward,
             load_prompts(cfg.data.prompts, cfg.data.split, cfg.data.prompt_key),
             slices,
+            generator=generator,
+            rows=rows,
         )
     return preflight, reward_bias([{"step": 0, **preflight.metrics}], cfg.diagnosis)
 

@@ -40,12 +40,12 @@ from pathlib import Path
 import yaml
 from matplotlib.figure import Figure
 
+from lmppo.errors import LmppoError
 from lmppo.inputs.config import RewardConfig
 from lmppo.runs.diagnose import Finding, diagnose, run_thresholds
-from lmppo.errors import LmppoError
 from lmppo.runs.evaluate import EVAL_FILE, summary_columns
-from lmppo.training.metrics import METRICS_FILE, read_metrics
 from lmppo.runs.preflight import PREFLIGHT_FILE
+from lmppo.training.metrics import METRICS_FILE, read_metrics
 from lmppo.training.reward_modeling import RM_EVAL_FILE
 
 CONFIG_FILE = "config.yaml"

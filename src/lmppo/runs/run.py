@@ -20,6 +20,29 @@ from peft import PeftModel
 from torch import nn
 from transformers import GenerationConfig
 
+from lmppo.errors import GuardAbort, Interrupted, LmppoError, console, warn, with_context
+from lmppo.inputs.config import Config, load_config
+from lmppo.inputs.data import (
+    Prompt,
+    load_demonstrations,
+    load_located_prompts,
+    load_prompt_rows,
+    prompt_slices,
+)
+from lmppo.inputs.resolve import RunSpec, check_batches, policy_role, resolve, resolve_device
+from lmppo.modeling.distributed import (
+    DistInfo,
+    any_rank,
+    barrier,
+    distributed_session,
+    full_tensor,
+    gathered,
+    rank_seed,
+    seed_everything,
+    whole_group,
+)
+from lmppo.modeling.models import PPOModels, keep_freed_heap_memory
+from lmppo.progress import ProgressDisplay, advance, phase
 from lmppo.runs.build import build_trainer, load_models, load_policy
 from lmppo.runs.checkpoint import (
     CHECKPOINTS_DIR,
@@ -33,32 +56,15 @@ from lmppo.runs.checkpoint import (
     load_checkpoint,
     load_intact_checkpoint,
 )
-from lmppo.inputs.config import Config, load_config
-from lmppo.inputs.data import Prompt, load_demonstrations, load_located_prompts, prompt_slices
 from lmppo.runs.diagnose import LiveDiagnosis
-from lmppo.modeling.distributed import (
-    DistInfo,
-    any_rank,
-    barrier,
-    distributed_session,
-    full_tensor,
-    gathered,
-    rank_seed,
-    seed_everything,
-    whole_group,
-)
-from lmppo.errors import GuardAbort, Interrupted, LmppoError, console, warn, with_context
 from lmppo.runs.evaluate import run_evaluator
 from lmppo.runs.guards import Guards, held_out_score
-from lmppo.training.metrics import METRICS_FILE, MetricsLogger, read_metrics, reduce_metrics
-from lmppo.modeling.models import PPOModels, keep_freed_heap_memory
 from lmppo.runs.plan import MemoryPlan, check_plan
 from lmppo.runs.preflight import Preflight, run_preflight, summary_line, write_preflight_json
-from lmppo.progress import ProgressDisplay, advance, phase
-from lmppo.inputs.resolve import RunSpec, check_batches, policy_role, resolve, resolve_device
-from lmppo.training.sft import sft_batch
-from lmppo.signals import StopOnSignal, StopRequested
 from lmppo.runs.trainer_state import apply_changed_settings, load_state_payload, save_trainer_checkpoint
+from lmppo.signals import StopOnSignal, StopRequested
+from lmppo.training.metrics import METRICS_FILE, MetricsLogger, read_metrics, reduce_metrics
+from lmppo.training.sft import sft_batch
 
 Evaluator = Callable[[], dict[str, float]]  # held-out eval/* metrics of the current policy
 
@@ -236,6 +242,10 @@ class PPORun:
         self.on_step: Callable[[int, dict[str, float]], None] | None = None  # the Python API's callback
         located_prompts = load_located_prompts(cfg.data.prompts, cfg.data.split, cfg.data.prompt_key)
         self.prompts = [prompt for _, prompt in located_prompts]
+        # each prompt's whole row: what an environment resets on (rollout.environment)
+        self.prompt_rows = (
+            load_prompt_rows(cfg.data.prompts, cfg.data.split) if spec.engine.environment else None
+        )
         check_batches(cfg, len(self.prompts))  # before the minutes of loading models
         seed_everything(cfg.run.seed)  # every rank builds the same models (fresh heads, LoRA adapters)
         self.models = models = load_models(cfg, spec)
@@ -247,13 +257,17 @@ class PPORun:
                 spec,
                 models,
                 self.prompts,
+                prompt_rows=self.prompt_rows,
                 ptx_batches=ptx_batches(cfg, models.tokenizer, spec.device, dist_info.rank),
                 group=dist_info.group,
                 rank=dist_info.rank,
             )
         self.check_prompts(located_prompts)
-        # held-out evaluation and the pre-flight sample as training does: on a vLLM engine when it has one
-        self.engine = self.trainer.generator if spec.engine.kind == "vllm" else None
+        # held-out evaluation and the pre-flight sample as training does: on a vLLM engine when it has one,
+        # playing episodes when it has an environment
+        self.engine = (
+            self.trainer.generator if spec.engine.kind == "vllm" or spec.engine.environment else None
+        )
         evaluator = evaluator_factory(models) if evaluator_factory else None
         if (
             evaluator is None and cfg.data.eval_prompts and cfg.run.eval_every
@@ -352,7 +366,7 @@ class PPORun:
         with self.trainer.autocast(), gathered(models.policy, *models.reward_models):
             return run_preflight(
                 cfg, models.policy, models.tokenizer, models.reward, self.prompts, slices,
-                dist_info.rank, dist_info.world_size, dist_info.group, self.engine,
+                dist_info.rank, dist_info.world_size, dist_info.group, self.engine, self.prompt_rows,
             )  # fmt: skip
 
     def start(self) -> dict[str, float]:

@@ -14,17 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmppo.runs.build import build_kl_controller
-from lmppo.runs.checkpoint import (
-    CHECKPOINTS_DIR,
-    capture_rng_state,
-    flatten_state,
-    restore_rng_state,
-    save_checkpoint,
-    shard_scratch_dir,
-    unflatten_state,
-    write_tensor_groups,
-)
+from lmppo.errors import LmppoError, warn
 from lmppo.inputs.config import Config
 from lmppo.modeling.distributed import (
     barrier,
@@ -37,7 +27,17 @@ from lmppo.modeling.distributed import (
     shard_like,
     whole_group,
 )
-from lmppo.errors import LmppoError, warn
+from lmppo.runs.build import build_kl_controller
+from lmppo.runs.checkpoint import (
+    CHECKPOINTS_DIR,
+    capture_rng_state,
+    flatten_state,
+    restore_rng_state,
+    save_checkpoint,
+    shard_scratch_dir,
+    unflatten_state,
+    write_tensor_groups,
+)
 from lmppo.sampling.rollout import Rollout, concat_rollouts, trim_padding
 from lmppo.training.steps import Stepper
 

@@ -34,7 +34,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lmppo.inputs.data import Prompt, PromptStream
+from lmppo.inputs.data import Prompt, PromptBatch, PromptStream
 from lmppo.modeling.distributed import gathered
 from lmppo.modeling.lora import unwrap_model
 from lmppo.sampling.rollout import Rollout
@@ -50,11 +50,16 @@ class Generator(Protocol):
     Every engine has all three methods (no optional ones)."""
 
     def generate(
-        self, prompts: Sequence[Prompt], policy_version: int, sample_ids: Sequence[int] | None = None
+        self,
+        prompts: Sequence[Prompt],
+        policy_version: int,
+        sample_ids: Sequence[int] | None = None,
+        rows: Sequence[dict] | None = None,
     ) -> Rollout:
         """Sample ``prompts`` into a :class:`Rollout` recording ``policy_version`` (or the version its own
         weights hold). ``sample_ids`` place each prompt in the prompt stream; a seeded engine draws from
-        them."""
+        them. ``rows``: the prompts' whole rows, which an episode's environment resets on (one sampled
+        response needs only its prompt)."""
         ...
 
     def sync_weights(self, policy: nn.Module, policy_version: int) -> None:
@@ -68,11 +73,11 @@ class Generator(Protocol):
         ...
 
 
-def sample_seed(seed: int, sample_id: int) -> int:
+def sample_seed(seed: int, sample_id: int, turn: int = 0) -> int:
     """The sampling seed of one response (or of a batch, from its first): the run's seed and the sample's
-    place in the prompt stream, so a sample draws the same tokens on any number of ranks and before and
-    after a resume."""
-    return (seed << 32) + sample_id
+    place in the prompt stream (and an episode's turn), so a sample draws the same tokens on any number of
+    ranks and before and after a resume."""
+    return (turn << 56) + (seed << 32) + sample_id
 
 
 # --------------------------------------------------------------------------------------------------
@@ -144,12 +149,12 @@ class RolloutsAhead:
     def start_next(self, policy_version: int) -> None:
         """Sample the next batch in the background (the trainer's thread goes on)."""
         batch = self.prompt_stream.next_samples()
-        self.pending = self.worker.submit(self._sample, batch.prompts, batch.sample_ids, policy_version)
+        self.pending = self.worker.submit(self._sample, batch, policy_version)
 
-    def _sample(self, prompts, sample_ids, policy_version: int) -> Rollout:
+    def _sample(self, batch: PromptBatch, policy_version: int) -> Rollout:
         started = time.perf_counter()
         with self.numerics():  # autocast is per thread: the trainer's does not reach this one
-            rollout = self.generator.generate(prompts, policy_version, sample_ids)
+            rollout = self.generator.generate(batch.prompts, policy_version, batch.sample_ids, batch.rows)
         return dataclasses.replace(rollout, generation_s=time.perf_counter() - started)
 
     def finished(self) -> Rollout | None:

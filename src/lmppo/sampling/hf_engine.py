@@ -193,6 +193,10 @@ class HFGenerator:
         if not prompts:
             raise LmppoError("no prompts to generate from.")
         rows = [self.query_ids(prompt, where=f"prompt {i} of the batch") for i, prompt in enumerate(prompts)]
+        return self.left_padded(rows)
+
+    def left_padded(self, rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(query_ids, query_mask)``, each (B, longest row), the rows left-padded."""
         width = max(len(ids) for ids in rows)
         query_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         query_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -202,9 +206,14 @@ class HFGenerator:
         return query_ids, query_mask
 
     def generate(
-        self, prompts: Sequence[Prompt], policy_version: int, sample_ids: Sequence[int] | None = None
+        self,
+        prompts: Sequence[Prompt],
+        policy_version: int,
+        sample_ids: Sequence[int] | None = None,
+        rows: Sequence[dict] | None = None,
     ) -> Rollout:
-        """Sample one response per prompt; ``logp_old`` is recorded while sampling."""
+        """Sample one response per prompt (``rows``, for an environment, unused); ``logp_old`` is recorded
+        while sampling."""
         device = next(self.model.parameters()).device
         query_ids, query_mask = (t.to(device) for t in self._query_batch(prompts))
         sample_ids = list(range(len(prompts))) if sample_ids is None else list(sample_ids)
@@ -235,17 +244,47 @@ class HFGenerator:
             **estimates,
         )
 
+    def sample_turns(
+        self, contexts: Sequence[Sequence[int]], sample_ids: Sequence[int], turn: int, max_new_tokens: int
+    ) -> list[tuple[list[int], list[float]]]:
+        """One turn of each live episode (:mod:`lmppo.sampling.episodes`): sampled after ``contexts``, the token
+        ids of each episode so far, at most ``max_new_tokens`` each. Each row's tokens up to and including
+        its stop token (all of them when it was cut) and their log-probs at the sampling temperature."""
+        device = next(self.model.parameters()).device
+        query_ids, query_mask = (t.to(device) for t in self.left_padded(contexts))
+        with torch.inference_mode():
+            response_ids, logp_old, _ = self._sample(
+                query_ids, query_mask, list(sample_ids), max_new_tokens, turn
+            )
+        response_mask, _ = response_mask_from_ids(response_ids, self.stop_token_ids)
+        lengths = response_mask.sum(dim=1).long().tolist()
+        return [
+            (ids[:n].tolist(), logp[:n].tolist()) for ids, logp, n in zip(response_ids, logp_old, lengths)
+        ]
+
     def _sample(
-        self, query_ids: torch.Tensor, query_mask: torch.Tensor, sample_ids: list[int]
+        self,
+        query_ids: torch.Tensor,
+        query_mask: torch.Tensor,
+        sample_ids: list[int],
+        max_new_tokens: int | None = None,
+        turn: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The decode loop on ``self.model`` in eval mode, its LoRA adapters folded for the loop. An engine
         that overrides this never touches the trained module: with ``rollout.asynchronous`` it samples while
         the update trains that module on another thread."""
         with eval_mode(self.model), lora_merged(self.model):
-            return self._decode_loop(query_ids, query_mask, sample_ids)
+            return self._decode_loop(
+                query_ids, query_mask, sample_ids, max_new_tokens or self.max_new_tokens, turn
+            )
 
     def _decode_loop(
-        self, query_ids: torch.Tensor, query_mask: torch.Tensor, sample_ids: list[int]
+        self,
+        query_ids: torch.Tensor,
+        query_mask: torch.Tensor,
+        sample_ids: list[int],
+        max_new_tokens: int,
+        turn: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Ancestral sampling: a prefill over the queries, then one single-token forward per step.
 
@@ -253,19 +292,20 @@ class HFGenerator:
         R' <= max_new_tokens (the loop ends once every row has emitted a stop token; a finished row is
         filled with the pad id), and with a value model the values (B, R' + 1) of the state before each
         token and after the last one (a truncated row needs one more forward for it, run only with
-        ``bootstrap_values``; a column no forward reached is 0). Positions count real tokens only, as in :func:`sequence_inputs`.
+        ``bootstrap_values``; a column no forward reached is 0). Positions count real tokens only, as in
+        :func:`sequence_inputs`. ``turn``: an episode's turn, which a seeded engine's draws also depend on.
         """
         batch, width = query_ids.shape
         device = query_ids.device
         rng = None  # the global RNG, unless seeded
         if self.seed is not None:
-            rng = torch.Generator(device).manual_seed(sample_seed(self.seed, sample_ids[0]))
+            rng = torch.Generator(device).manual_seed(sample_seed(self.seed, sample_ids[0], turn))
         cache = {
             _cache_argument(self.model): static_cache(
-                unwrap_model(self.model).config, max_cache_len=width + self.max_new_tokens
+                unwrap_model(self.model).config, max_cache_len=width + max_new_tokens
             )
         }
-        attention_mask = torch.zeros(batch, width + self.max_new_tokens, dtype=torch.long, device=device)
+        attention_mask = torch.zeros(batch, width + max_new_tokens, dtype=torch.long, device=device)
         attention_mask[:, :width] = query_mask
         positions = (query_mask.cumsum(dim=1) - 1).clamp(min=0)
         values = []  # with a value model: V of the state each forward ends in, one (B,) per forward
@@ -294,14 +334,14 @@ class HFGenerator:
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         position = positions[:, -1:]
         tokens, logps = [], []
-        for step in range(self.max_new_tokens):
-            advance("token", step + 1, self.max_new_tokens)
+        for step in range(max_new_tokens):
+            advance("token", step + 1, max_new_tokens)
             token, logp = self._draw(logits, rng)
             token = token.masked_fill(finished, self.pad_token_id)
             tokens.append(token)
             logps.append(logp)
             finished |= torch.isin(token, stops)
-            last = step + 1 == self.max_new_tokens or finished.all()
+            last = step + 1 == max_new_tokens or finished.all()
             if last and (self.value_model is None or finished.all() or not self.bootstrap_values):
                 break
             cursor = width + step
@@ -347,7 +387,7 @@ class SnapshotGenerator(HFGenerator):
         super().__init__(snapshot.eval().requires_grad_(False), tokenizer, seed=seed, **options)
         self.synced_version = 0
 
-    def generate(self, prompts, policy_version: int, sample_ids: Sequence[int] | None = None) -> Rollout:
+    def generate(self, prompts, policy_version: int, sample_ids=None, rows=None) -> Rollout:
         """Sample with the snapshot; the rollout records the version the snapshot holds."""
         return super().generate(prompts, self.synced_version, sample_ids)
 

@@ -3,7 +3,9 @@
 Layout (see docs/rollout.md): queries are left-padded ``(B, Q)``; per-token tensors are ``(B, R)`` over
 response positions. ``logp_old[:, t] = log pi(response[t] | query, response[:t])`` at the sampling
 temperature; ``values[:, t]`` is V of the state before response token ``t``; ``response_mask`` is 1 on
-generated tokens up to and including the first stop token.
+generated tokens up to and including the first stop token. An environment's episode (docs/multiturn.md)
+holds several turns in the response, the context between them marked by ``context_mask``; the policy's own
+tokens are the ``action_mask``.
 
 Every forward over a (query, response) batch takes its inputs from :func:`sequence_inputs`: the attention
 mask comes from the tokenizer (never from ``ids != pad``, which hides a real EOS when pad == EOS) and
@@ -63,6 +65,13 @@ class Rollout:
     generation_s: float = 0.0  # seconds the engine sampled this batch (on a worker thread when asynchronous)
     values: torch.Tensor | None = None  # V before each response token (the decode loop's or a stored pass)
     bootstrap_value: torch.Tensor | None = None  # V after the last token of a truncated row, else 0
+    # An environment's episodes (rollout.environment; None for one sampled response per prompt):
+    context_mask: torch.Tensor | None = None  # (B, R) 1 on tokens its turns inserted (tool output, template)
+    turn_rewards: torch.Tensor | None = None  # (B, R) each turn's reward from it, on the turn's last action
+    turns: torch.Tensor | None = None  # (B,) long: the policy's turns per episode
+    tool_calls: torch.Tensor | None = None  # (B,) long: the tool calls the environment ran
+    tool_failures: torch.Tensor | None = None  # (B,) long: of those, the calls it answered with an error
+    environment_s: float = 0.0  # seconds the environments took to reset and step
 
     def __len__(self) -> int:
         return self.query_ids.shape[0]
@@ -76,15 +85,18 @@ class Rollout:
 
     @property
     def action_mask(self) -> torch.Tensor:
-        """(B, R): the tokens the policy sampled, the only ones in the loss, the KL and GAE's credit path.
-        Every response token is an action here; an environment's turns would add context tokens that are in
-        the sequence (``response_mask``) but not actions."""
-        return self.response_mask
+        """(B, R): the tokens the policy sampled (each turn's stop token included), the only ones in the loss,
+        the KL and GAE's credit path. Without an environment every response token is one; in an episode the
+        context an environment's turns inserted is in the sequence (``response_mask``) but not an action."""
+        if self.context_mask is None:
+            return self.response_mask
+        return self.response_mask * (1.0 - self.context_mask)
 
     @property
     def response_lengths(self) -> torch.Tensor:
-        """(B,) long: counted response tokens per row (stop token included)."""
-        return self.response_mask.sum(dim=1).long()
+        """(B,) long: counted response tokens per row (stop token included); in an episode, the policy's
+        own tokens over all its turns."""
+        return self.action_mask.sum(dim=1).long()
 
     @property
     def num_response_tokens(self) -> int:

@@ -135,7 +135,7 @@ class VLLMGenerator(HFGenerator):
         self.lock = threading.Lock()  # one caller at a time: vLLM's LLM is not thread-safe
         self.asleep = False
 
-    def generate(self, prompts, policy_version: int, sample_ids=None):
+    def generate(self, prompts, policy_version: int, sample_ids=None, rows=None):
         """Sample with the engine; the rollout records the version the engine holds, not the trainer's."""
         with self.lock:
             self._wake()

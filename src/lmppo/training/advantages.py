@@ -10,7 +10,9 @@
 - ``reinforce_pp``: REINFORCE++, the KL-shaped reward-to-go whitened over the whole batch (all ranks);
   ``reinforce_pp_baseline`` the same on the score minus its group's mean.
 
-With ``kl.in_loss`` the rewards carry no KL penalty: the update adds it to the loss instead.
+With ``kl.in_loss`` the rewards carry no KL penalty: the update adds it to the loss instead. An
+environment's turn rewards (multi-turn episodes) add to the per-token rewards on each turn's last action
+token; a group estimator counts them in the episode's score instead, which its group then judges.
 """
 
 from __future__ import annotations
@@ -41,13 +43,17 @@ def advantages_of(
     estimator, bootstrap_value = spec.estimator, scored.bootstrap_value
     if not estimator.bootstrap_truncated:  # a truncated row ends there, scored (the score stage decided)
         bootstrap_value = None if bootstrap_value is None else torch.zeros_like(bootstrap_value)
-    score, flat = rm_score, None
-    if estimator.groups:
+    score, flat, turn_rewards = rm_score, None, scored.turn_rewards
+    if estimator.groups:  # an episode's turn rewards count in its score, which its group judges
         n = estimator.group_size
-        score = core.group_advantages(rm_score, n, estimator.group_baseline)
-        flat = core.flat_groups(rm_score, n)
+        if turn_rewards is not None:
+            score, turn_rewards = rm_score + turn_rewards.sum(1), None
+        flat = core.flat_groups(score, n)
+        score = core.group_advantages(score, n, estimator.group_baseline)
     reward_beta = 0.0 if estimator.kl_in_loss else beta
     rewards = core.shaped_rewards(score, logp_old, scored.logp_ref, mask, reward_beta, cfg.kl.estimator)
+    if turn_rewards is not None:  # each turn's reward on its last action token (lmppo.sampling.episodes)
+        rewards = rewards + turn_rewards
     if not estimator.critic:  # no critic: the return itself, the reward-to-go from each token
         advantages = returns = core.discounted_returns(rewards, mask, cfg.ppo.gamma)
     else:

@@ -60,9 +60,17 @@ METRIC_NAMES: dict[str, str] = {
     "adv/mean": "mean advantage over response tokens, before whitening",
     "adv/std": "standard deviation of the advantages over response tokens, before whitening",
     "adv/flat_group_frac": "group baselines: share of prompts whose samples all scored alike (zero advantage)",
-    "response/length": "mean number of response tokens (up to and including the first EOS)",
+    "response/length": "mean number of response tokens (up to and including the first EOS); in an episode, the "
+    "policy's own tokens over all its turns",
     "response/eos_frac": "fraction of responses that ended with EOS",
     "response/truncated_frac": "fraction of responses cut off at max_new_tokens",
+    "episode/turns": "rollout.environment: mean turns of the policy per episode",
+    "episode/tool_calls": "rollout.environment: mean tool calls per episode",
+    "episode/tool_failures": "rollout.environment: mean tool calls per episode answered with an error",
+    "episode/context_tokens": "rollout.environment: mean tokens per episode inserted between the policy's turns "
+    "(tool output, template glue): in the sequence, never in the loss",
+    "reward/turn": "rollout.environment: mean sum per episode of the environment's turn rewards",
+    "perf/environment_s": "rollout.environment: seconds the environments took to reset and step (in perf/rollout_s)",
     "health/nonfinite": "number of non-finite values seen in this step's losses, gradients and statistics",
     "health/nonfinite_updates": "updates skipped because a gradient was non-finite",
     "lag/policy_versions": "policy versions between the policy that sampled the rollout and the one updated",
@@ -105,6 +113,7 @@ REDUCE_OPS: dict[str, str] = {
     "perf/step_s": "max",  # the slowest rank sets the pace
     "perf/rollout_s": "max",
     "perf/generation_s": "max",
+    "perf/environment_s": "max",
     "perf/score_s": "max",
     "perf/reward_s": "max",
     "perf/reference_s": "max",

@@ -110,7 +110,7 @@ def scored_metrics(
     """The reward side of a scored rollout: sequence-level quantities averaged over all ranks' rows, the
     rollout's age and the non-finite count. ``component_rows`` (with the score used) when preprocessing or
     components make it differ from the raw."""
-    mask = scored.response_mask
+    mask = scored.action_mask
     per_row = {
         "reward/rm_score": rm_score_raw,
         "kl/ref": kl_per_token.sum(1),
@@ -121,6 +121,14 @@ def scored_metrics(
     if component_rows is not None:
         per_row["reward/rm_score_used"] = scored.rm_score
         per_row.update(component_rows)
+    if scored.context_mask is not None:  # an environment's episodes
+        per_row |= {
+            "episode/turns": scored.turns.float(),
+            "episode/tool_calls": scored.tool_calls.float(),
+            "episode/tool_failures": scored.tool_failures.float(),
+            "episode/context_tokens": scored.context_mask.sum(1),
+            "reward/turn": scored.turn_rewards.sum(1),
+        }
     metrics = row_means(per_row, len(scored), mask.device, group)
     metrics["lag/rollout_age_s"] = time.time() - scored.created_at
     metrics["health/nonfinite"] = nonfinite_count(

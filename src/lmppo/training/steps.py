@@ -111,6 +111,8 @@ class Stepper:
         ):
             rollout = self.collect_rollout()
         seconds["perf/generation_s"] = rollout.generation_s or seconds["perf/rollout_s"]
+        if rollout.context_mask is not None:  # an environment's episodes
+            seconds["perf/environment_s"] = rollout.environment_s
         return rollout
 
     def collect_rollout(self) -> Rollout:
@@ -121,7 +123,9 @@ class Stepper:
         for _ in range(3):
             if rollout is None or self.policy_version - rollout.policy_version > max_age:
                 batch = self.prompt_stream.next_samples()
-                rollout = self.generator.generate(batch.prompts, self.policy_version, batch.sample_ids)
+                rollout = self.generator.generate(
+                    batch.prompts, self.policy_version, batch.sample_ids, batch.rows
+                )
             if self.policy_version - rollout.policy_version <= max_age:
                 if self.ahead is not None:
                     self.ahead.start_next(self.policy_version)
