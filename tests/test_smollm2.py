@@ -168,9 +168,16 @@ def test_two_lora_ppo_steps_on_smollm2(smollm2, tmp_path, value_mode):
     assert adapters and all("lora_" in k for k in adapters)
     value_trained = [k for k, v in trainer.value_model.named_parameters() if v.requires_grad]
     assert all("lora_" in k or k.startswith("head.") for k in value_trained)
-    rollouts = []
-    generate = trainer.generator.generate
+    rollouts, scored = [], []  # what the engine sampled; what scoring made of it (logp_ref)
+    generate, score = trainer.generator.generate, trainer.score
     trainer.generator.generate = lambda *args: rollouts.append(generate(*args)) or rollouts[-1]
+
+    def keep_scored(rollout):
+        record, scores = score(rollout)
+        scored.append(record)
+        return record, scores
+
+    trainer.score = keep_scored
 
     metrics = [trainer.step() for _ in range(2)]
     logp_ref_after = sequence_logprobs(models.reference, rollouts[0])
@@ -187,7 +194,7 @@ def test_two_lora_ppo_steps_on_smollm2(smollm2, tmp_path, value_mode):
         not torch.equal(after["policy"][k], v) for k, v in adapters.items() if "lora_B" in k
     )  # adapters trained
     # The reference is the base model: the stored logp_ref of step 1 is reproduced after two updates.
-    torch.testing.assert_close(logp_ref_after, rollouts[0].logp_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logp_ref_after, scored[0].logp_ref, atol=1e-5, rtol=0)
     with torch.no_grad():
         base_logp = token_logprobs(response_logits(smollm2[0], rollouts[0]), rollouts[0].response_ids)
     mask = rollouts[0].response_mask.bool()
