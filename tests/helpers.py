@@ -77,9 +77,24 @@ POLICY_TEMPLATE = (
     "{{ '<|user|>' if m['role'] == 'user' else '<|assistant|>' }} {{ m['content'] }} {{ eos_token }} "
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+# A template with a turn for each role, tool included, each turn ended by EOS (the policy's stop token):
+# what multi-turn episodes and their demonstrations are rendered with.
+ROLE_SPECIALS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|tool|>", "<unk>"]
+ROLE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<|' + m['role'] + '|>' }} {{ m['content'] }} {{ eos_token }} "
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 # The reward model's own, different special tokens and template.
 REWARD_SPECIALS = ["[PAD]", "[EOS]", "[Q]", "[A]", "<unk>"]
 REWARD_TEMPLATE = "{% for m in messages %}{{ '[Q]' if m['role'] == 'user' else '[A]' }} {{ m['content'] }} {% endfor %}{{ eos_token }}"
+
+
+def role_tokenizer():
+    """The word-level tokenizer of :data:`WORDS` with :data:`ROLE_TEMPLATE`."""
+    return build_tokenizer(
+        ROLE_SPECIALS, WORDS, pad="<pad>", eos="</s>", bos="<s>", chat_template=ROLE_TEMPLATE
+    )
 
 
 def build_tokenizer(

@@ -15,6 +15,7 @@ from helpers import (
     FAILS_ON_RANK1,
     GOOD_JUDGE,
     LOSES_RANK1,
+    boost_token,
     comparable,
     run_cli,
     torchrun,
@@ -23,6 +24,7 @@ from helpers import (
     write_config,
 )
 from safetensors.torch import load_file
+from sample_environments import AnswerTwice
 from transformers import AutoModelForCausalLM
 
 from lmppo.inputs.config import LoraConfig
@@ -31,6 +33,7 @@ from lmppo.modeling.lora import make_reference, with_lora
 from lmppo.modeling.models import ValueModel
 from lmppo.runs.checkpoint import latest_checkpoint, load_checkpoint
 from lmppo.sampling.engines import policy_weights
+from lmppo.sampling.episodes import EpisodeGenerator
 from lmppo.sampling.hf_engine import HFGenerator
 from lmppo.training.metrics import read_metrics, reduce_metrics
 
@@ -92,12 +95,29 @@ def fixed_global_rollout(tmp_path):
     return torch.load(tmp_path / "rollout.pt", weights_only=False)
 
 
+def fixed_episode_rollout(tmp_path):
+    """BATCH multi-turn episodes (:class:`AnswerTwice`), sampled once by the toy policy with its EOS made
+    likelier (short turns, so that episodes hold context between them), read back from a file."""
+    models = toy_models()
+    boost_token(models.policy, models.tokenizer.eos_token_id, 3.0)
+    seed_everything(3)
+    engine = HFGenerator(models.policy, models.tokenizer, max_new_tokens=6)
+    episodes = EpisodeGenerator(engine, AnswerTwice, name="tests", max_turns=3, max_total_tokens=40, seed=3)
+    rollout = episodes.generate(
+        ["tell me about the cat", "write a short poem", "tell me a story", "the day was very happy"] * 2, 0
+    )
+    assert rollout.context_mask.sum(1).min() == 0 < rollout.context_mask.sum(1).max()  # some hold context
+    torch.save(rollout, tmp_path / "episodes.pt")
+    return torch.load(tmp_path / "episodes.pt", weights_only=False)
+
+
 VARIANTS = {  # what the config says of the models step_models makes
     "full": (),
     "lora": ("models.policy_lora.enabled=true", "models.policy_lora.r=4", "models.policy_lora.alpha=8"),
     "shared": ("models.value.mode=shared",),
     # 4 prompts x 2 samples (rows 2i, 2i + 1 are one group): each rank's contiguous shard holds whole groups
     "rloo": ("ppo.advantage=rloo", "rollout.samples_per_prompt=2", f"rollout.batch_size={BATCH // 2}"),
+    "episodes": (),  # the rollout is multi-turn episodes: actions with context between them
 }
 
 
@@ -142,7 +162,7 @@ def ppo_step(rank: int, world: int, rollout, overrides=(), variant="full") -> di
     metrics = reduce_metrics(trainer.step(), group)
     return {
         "advantages": collected["rollout"].advantages,
-        "response_mask": collected["rollout"].response_mask,
+        "action_mask": collected["rollout"].action_mask,
         "metrics": metrics,
         # trained weights, whole (gathered from the shards under FSDP2)
         "policy": {
@@ -186,6 +206,7 @@ TOKEN_BUDGET = ("ppo.micro_batch_size=null", "ppo.micro_batch_tokens=40")
         # rows move between ranks after the groups' advantages are fixed; sequence means over all ranks' rows
         ((*TOKEN_BUDGET, "ppo.loss_aggregation=sequence_mean"), "rloo"),
         ((FSDP2,), "rloo"),
+        ((FSDP2, *TOKEN_BUDGET), "episodes"),
     ],
     ids=[
         "ddp",
@@ -196,10 +217,11 @@ TOKEN_BUDGET = ("ppo.micro_batch_size=null", "ppo.micro_batch_tokens=40")
         "fsdp2-shared-trunk",
         "ddp-token-budget-rloo-sequence-mean",
         "fsdp2-rloo",
+        "fsdp2-token-budget-episodes",
     ],
 )
 def test_two_ranks_take_the_same_step_as_one_process(tmp_path, overrides, variant):
-    rollout = fixed_global_rollout(tmp_path)
+    rollout = fixed_episode_rollout(tmp_path) if variant == "episodes" else fixed_global_rollout(tmp_path)
     alone = ppo_step(0, 1, rollout, overrides, variant)
     with mp.Manager() as manager:
         results = manager.dict()
@@ -208,9 +230,9 @@ def test_two_ranks_take_the_same_step_as_one_process(tmp_path, overrides, varian
         ranks = [results[0], results[1]]
 
     # Advantages as one process computes them. GAE's are whitened with global mean and std over both
-    # ranks' response tokens, no padding; the group baseline's are each group's own, whole on one rank.
+    # ranks' action tokens, no padding; the group baseline's are each group's own, whole on one rank.
     critic = variant != "rloo"  # a critic-free run logs no value metrics at all
-    mask = alone["response_mask"].bool()
+    mask = alone["action_mask"].bool()
     together = torch.cat([r["advantages"] for r in ranks])
     torch.testing.assert_close(together[mask], alone["advantages"][mask], atol=1e-5, rtol=1e-5)
     assert together[mask].abs().max() > 0.01  # a signal to compare

@@ -8,26 +8,17 @@ import json
 import pytest
 import torch
 import yaml
-from helpers import PROMPTS, WORDS, boost_token, build_tokenizer, run_cli, toy_models, toy_trainer
+from helpers import PROMPTS, ROLE_TEMPLATE, boost_token, role_tokenizer, run_cli, toy_models, toy_trainer
+from sample_environments import AnswerTwice
 
 from lmppo.errors import LmppoError
 from lmppo.inputs.data import encode_chat, encode_context
+from lmppo.math.core import token_logprobs
 from lmppo.sampling.environments import Step
 from lmppo.sampling.episodes import EpisodeGenerator
 from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.passes import response_logits
 from lmppo.training.advantages import advantages_of
-
-SPECIALS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|tool|>", "<unk>"]
-# A tool turn of its own; every turn ends with EOS, the policy's stop token.
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{{ '<|' + m['role'] + '|>' }} {{ m['content'] }} {{ eos_token }} "
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def tokenizer():
-    return build_tokenizer(SPECIALS, WORDS, pad="<pad>", eos="</s>", bos="<s>", chat_template=TEMPLATE)
 
 
 class Scripted:
@@ -49,7 +40,7 @@ class Scripted:
 
 def episodes(environment, *, model=None, max_turns=4, max_total_tokens=64, max_new_tokens=4):
     """An episode engine on a tiny Llama; by default one that always ends its turn at once (EOS)."""
-    tok = tokenizer()
+    tok = role_tokenizer()
     if model is None:
         torch.manual_seed(0)
         model = toy_models().policy
@@ -98,6 +89,20 @@ def test_an_episode_holds_the_sampled_actions_and_the_context_between_them():
     ]
     query = rollout.query_ids[0][rollout.query_mask[0].bool()].tolist()
     assert query + ids == encode_chat(tok, conversation, None, add_generation_prompt=False)
+
+
+def test_each_action_keeps_the_log_prob_it_was_sampled_at_in_the_whole_sequence():
+    """A teacher-forced pass over prompt + episode gives, at every action, the log-prob the decode loop drew
+    the token at: the context between turns shifts nothing (positions, attention)."""
+    policy = toy_models().policy
+    boost_token(policy, role_tokenizer().eos_token_id, 3.0)  # short turns: episodes with several of them
+    torch.manual_seed(1)
+    rollout = episodes(AnswerTwice, model=policy, max_new_tokens=6).generate(PROMPTS * 2, 0)
+    assert (rollout.turns > 1).any() and rollout.context_mask.sum() > 0
+    actions = rollout.action_mask.bool()
+    with torch.no_grad():
+        forced = token_logprobs(response_logits(policy, rollout), rollout.response_ids)
+    assert (forced - rollout.logp_old)[actions].abs().max() < 1e-5
 
 
 def test_the_context_never_reaches_the_loss_the_kl_or_the_credit_path():
@@ -170,11 +175,11 @@ def test_max_total_tokens_bounds_actions_and_context_together():
 
 
 def test_a_template_that_rewrites_earlier_turns_cannot_hold_an_episode():
-    tok = tokenizer()
-    dated = "{{ 'turns: ' ~ messages|length }} " + TEMPLATE  # the header changes with every turn
+    tok = role_tokenizer()
+    dated = "{{ 'turns: ' ~ messages|length }} " + ROLE_TEMPLATE  # the header changes with every turn
     with pytest.raises(LmppoError, match="does not extend a conversation by appending an assistant turn"):
         encode_context(tok, dated, [{"role": "user", "content": "hi"}], "a", "</s>", [], more_turns=True)
-    no_eos = TEMPLATE.replace("{{ eos_token }}", "")
+    no_eos = ROLE_TEMPLATE.replace("{{ eos_token }}", "")
     with pytest.raises(LmppoError, match="without the stop token '</s>'"):
         encode_context(tok, no_eos, [{"role": "user", "content": "hi"}], "a", "</s>", [], more_turns=True)
 
@@ -205,7 +210,12 @@ def test_lmppo_ppo_trains_on_an_environment_file(run_files, tmp_path):
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = yaml.safe_load(run_files.read_text())
     # a near-uniform policy: long turns, so that some end with EOS and the environment answers
-    config["rollout"] |= {"environment": f"{env_file}:TwoTurns", "max_turns": 3, "max_new_tokens": 48}
+    config["rollout"] |= {
+        "environment": f"{env_file}:TwoTurns",
+        "max_turns": 3,
+        "max_new_tokens": 48,
+        "max_total_tokens": 100,  # within the toy policy's 128 positions, with the prompt
+    }
     run_files.write_text(yaml.safe_dump(config))
     assert run_cli("ppo", str(run_files)) == 0
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -8,7 +8,7 @@ import pytest
 
 from lmppo.errors import LmppoError
 from lmppo.runs.evaluate import EVAL_FILE, EvalResult, write_eval_json
-from lmppo.runs.report import CONFIG_FILE, report
+from lmppo.runs.report import CONFIG_FILE, _response_cell, report
 from lmppo.training.metrics import MetricsLogger
 from lmppo.training.reward_modeling import RM_EVAL_FILE, write_rm_eval_json
 
@@ -214,3 +214,18 @@ def test_the_report_names_the_reward_as_the_run_gives_it(full_run, tmp_path):
     (run / CONFIG_FILE).write_text("reward:\n  function: my_rewards.py:score\n")
     page = report(run).read_text()
     assert "Reward vs gold judge: the reward rising" in page and "RM score" not in page
+
+
+def test_an_episode_shows_the_policys_turns_and_greys_the_context_between_them():
+    row = {
+        "response": "it is 42.",
+        "rm_score": 1.0,
+        "episode": [
+            {"text": "<tool_call>{}</tool_call><|im_end|>", "action": True},
+            {"text": "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n", "action": False},
+            {"text": "it is 42.<|im_end|>", "action": True},
+        ],
+    }
+    cell = _response_cell(row)
+    assert cell.startswith("&lt;tool_call&gt;{}&lt;/tool_call&gt;&lt;|im_end|&gt;<span class='context'>")
+    assert "<span class='context'>\n&lt;|im_start|&gt;tool\n42" in cell and "</span>it is 42." in cell

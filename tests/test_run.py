@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 from helpers import COUNT_GOOD, GOOD_JUDGE, PROMPTS, comparable, run_cli, write_config
+from sample_environments import SPEC as EPISODES
 from transformers import AutoModelForCausalLM
 
 from lmppo.inputs.config import load_config
@@ -96,10 +97,19 @@ def policy_tensors(run_dir):
         (False, {"run": {"precision": "bf16"}}),
         (False, {"ppo": {"advantage": "grpo"}, "rollout": {"batch_size": 2, "samples_per_prompt": 3}}),
         (True, {"rollout": {"asynchronous": True}}),
+        (False, {"rollout": {"environment": EPISODES, "max_turns": 3, "max_new_tokens": 12}}),
     ],
     # the third is split inside its warmup; the last has no critic and samples 3 responses per prompt
     # asynchronous: the batch sampled during step 2's update is saved with its checkpoint and trained on
-    ids=["full", "lora", "lora-checkpointed-critic-warmup", "bf16", "grpo-groups", "asynchronous"],
+    ids=[
+        "full",
+        "lora",
+        "lora-checkpointed-critic-warmup",
+        "bf16",
+        "grpo-groups",
+        "asynchronous",
+        "episodes",
+    ],
 )
 def test_resume_is_exact(run_files, lora, sections):
     """N steps in one go == k steps, stop, resume for N-k: same metrics, bit-identical weights."""

@@ -7,9 +7,11 @@ import statistics
 
 import pytest
 import torch
+from helpers import role_tokenizer
 
 from lmppo.errors import LmppoError
 from lmppo.inputs.config import SupervisedConfig
+from lmppo.inputs.data import encode_chat, load_demonstrations
 from lmppo.math.core import token_logprobs
 from lmppo.modeling.loading import load_causal_lm
 from lmppo.sampling.hf_engine import HFGenerator
@@ -56,6 +58,36 @@ def test_sft_sequence_is_the_rollout_query_plus_response(tok):
         )
         conversation = messages + [{"role": "assistant", "content": ex["response"]}]
         assert ids == tok.apply_chat_template(conversation)["input_ids"]
+
+
+EPISODE = [
+    {"role": "user", "content": "tell me a story"},
+    {"role": "assistant", "content": "the cat"},
+    {"role": "tool", "content": "sun dog"},
+    {"role": "assistant", "content": "a dog"},
+    {"role": "user", "content": "two"},
+    {"role": "assistant", "content": "it was happy"},
+]
+
+
+def test_a_demonstrated_episode_trains_on_the_assistant_turns_only():
+    """Each assistant turn and its EOS is a target; the tool's output, the user's turn and the template's
+    glue between turns are context; the ids are the whole conversation as the template renders it, as an
+    episode played by the policy would be."""
+    tok = role_tokenizer()
+    ids, labels = sft_features(tok, EPISODE[:1], EPISODE[1:])
+    assert ids == encode_chat(tok, EPISODE, None, add_generation_prompt=False)
+    targets = tok.convert_ids_to_tokens([i for i, label in zip(ids, labels) if label != IGNORE])
+    assert targets == ["the", "cat", "</s>", "a", "dog", "</s>", "it", "was", "happy", "</s>"]
+
+
+def test_a_demonstrated_episode_is_read_from_its_messages(tmp_path):
+    path = tmp_path / "episodes.jsonl"
+    path.write_text(json.dumps({"messages": EPISODE}) + "\n" + json.dumps({"messages": EPISODE[:3]}) + "\n")
+    with pytest.raises(LmppoError, match="line 2: a demonstrated episode's messages start with the prompt"):
+        load_demonstrations(path)
+    path.write_text(json.dumps({"messages": EPISODE}) + "\n")
+    assert load_demonstrations(path) == [(EPISODE[:1], EPISODE[1:])]
 
 
 def test_loss_is_the_mean_nll_of_response_tokens_only(tok):

@@ -110,7 +110,27 @@ def test_engine_rollout_masks_termination_and_logprobs_match_the_trainer(engine)
 
 
 @pytest.mark.vllm
-def test_a_ppo_step_syncs_the_engine_to_the_new_weights(engine):
+def test_episodes_on_the_engine_keep_its_log_probs_at_the_actions(engine):
+    """Multi-turn episodes sampled turn by turn on vLLM (prompt token ids each turn, prefix caching): every
+    action's log-prob is the trainer's at that position of the whole sequence, context and all."""
+    from sample_environments import AnswerTwice
+
+    from lmppo.sampling.episodes import EpisodeGenerator
+
+    policy, tokenizer, generator = engine
+    episodes = EpisodeGenerator(
+        generator, AnswerTwice, name="tests", max_turns=3, max_total_tokens=48, seed=0
+    )
+    rollout = episodes.generate(PROMPTS * 4, policy_version=7)
+    assert rollout.policy_version == generator.synced_version  # the engine's version
+    assert rollout.context_mask.sum() > 0 and (rollout.turns > 1).any()
+    actions = rollout.action_mask.bool()
+    gap = (teacher_forced(policy, rollout) - rollout.logp_old)[actions].abs().max().item()
+    assert gap < TOLERANCE, f"engine log-probs at the actions differ from the trainer's by {gap:.2e}"
+
+
+@pytest.mark.vllm
+def test_a_ppo_step_syncs_the_engine_to_the_new_weights(engine, tiny_dir):
     from helpers import toy_trainer
 
     from lmppo.modeling.lora import make_reference
@@ -127,7 +147,9 @@ def test_a_ppo_step_syncs_the_engine_to_the_new_weights(engine):
     )
     sequence = generator.render(PROMPTS[0]) + tokenizer.convert_tokens_to_ids(["the", "cat", "is", "happy"])
     before = generator.sequence_logprobs([sequence])[0]
-    trainer = toy_trainer("ppo.lr=1e-2", models=models, generator=generator)
+    # the run's spec says the engine is vLLM's, which holds its own weights: the trainer syncs it
+    engine_is_vllm = ("rollout.engine=vllm", f"models.policy.path={tiny_dir}")
+    trainer = toy_trainer("ppo.lr=1e-2", *engine_is_vllm, models=models, generator=generator)
     metrics = trainer.step()
     assert trainer.policy_version == generator.synced_version == 1
     assert metrics["perf/weight_sync_s"] > 0 and metrics["engine/logp_gap"] < TOLERANCE

@@ -20,6 +20,9 @@ from jinja2 import TemplateError
 from lmppo.errors import LmppoError, read_from
 
 Prompt = str | list[dict[str, str]]  # plain user text, or a list of chat messages
+# what follows a prompt in a demonstration: one response, or an episode's messages (the assistant's turns
+# and what came between them: tool results, the user's next message), the last one the assistant's
+Continuation = str | list[dict[str, str]]
 
 
 def as_messages(prompt: Prompt) -> list[dict[str, str]]:
@@ -402,19 +405,49 @@ def prompt_slices(source: PromptSource, split: str | None, key: str | None) -> l
     return [str(row[key]) for row in rows] if rows and all(key in row for row in rows) else None
 
 
-def load_demonstrations(path: str | Path) -> list[tuple[Prompt, str]]:
-    """``(prompt, response)`` pairs for SFT and PPO-ptx; rows need a prompt and a ``response`` string."""
+def load_demonstrations(path: str | Path) -> list[tuple[Prompt, Continuation]]:
+    """``(prompt, continuation)`` pairs for SFT and PPO-ptx: a row's prompt and ``response`` string, or a
+    row's ``messages`` alone, a whole episode: the prompt is what comes before the assistant's first turn,
+    the continuation the rest (tool results and the user's turns between the assistant's are context)."""
     pairs = []
     for where, row in located_jsonl(path):
         response = row.get("response")
-        if not isinstance(response, str):
-            raise LmppoError(f"{where} has no 'response' string (keys found: {sorted(row)})")
-        pairs.append((prompt_of_row(row, where), response))
+        if isinstance(response, str):
+            pairs.append((prompt_of_row(row, where), response))
+        elif response is None and isinstance(row.get("messages"), list):
+            pairs.append(_episode_demonstration(row["messages"], where))
+        else:
+            raise LmppoError(
+                f"{where} has no 'response' string, nor 'messages' that end with the assistant's turn (keys "
+                f"found: {sorted(row)})"
+            )
     if not pairs:
         raise LmppoError(
-            f"{path} holds no demonstrations; each line must be a JSON object with 'prompt' and 'response'"
+            f"{path} holds no demonstrations; each line must be a JSON object with 'prompt' and 'response', or "
+            "'messages' ending with the assistant's turn"
         )
     return pairs
+
+
+def _episode_demonstration(messages: list, where: str) -> tuple[Prompt, list[dict[str, str]]]:
+    """A demonstrated episode's prompt (the messages before the assistant's first turn) and the rest."""
+    roles = (*ROLES, "tool")
+    for turn, message in enumerate(messages, start=1):
+        if (
+            not (isinstance(message, dict) and isinstance(message.get("content"), str))
+            or message.get("role") not in roles
+        ):
+            raise LmppoError(
+                f"{where}: messages turn {turn} must be a {{'role', 'content'}} object with string content "
+                f"and a role in {list(roles)}"
+            )
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if not first or messages[-1]["role"] != "assistant":
+        raise LmppoError(
+            f"{where}: a demonstrated episode's messages start with the prompt (a user's turn) and end with "
+            "the assistant's turn"
+        )
+    return messages[:first], messages[first:]
 
 
 @dataclass

@@ -180,8 +180,9 @@ def resolve_engine(cfg: Config, estimator: EstimatorSpec, device: torch.device, 
         kind=r.engine,
         asynchronous=r.asynchronous,
         owns_weights=vllm or r.asynchronous,
-        # vLLM's sleep mode frees GPU memory; an engine sampling during the update must stay awake
-        sleeps=vllm and not r.asynchronous and device.type == "cuda",
+        # vLLM's sleep mode frees GPU memory; an engine sampling during the update must stay awake, and one
+        # playing episodes keeps its cache between turns
+        sleeps=vllm and not r.asynchronous and device.type == "cuda" and not episodes,
         weight_sync=r.vllm_weight_sync,
         # an episode's turns are sampled one by one: its values come from the stored pass over all of it
         values_from_decode=shared_critic and not sharded and not vllm and not r.asynchronous and not episodes,
@@ -475,19 +476,17 @@ def check_engine(cfg: Config) -> None:
 
 
 def check_episodes(cfg: Config) -> None:
-    """What ``rollout.environment`` runs with: the transformers engine, sampling in step, chat prompts, PPO
-    or a critic-free estimator."""
+    """What ``rollout.environment`` runs with: chat prompts (an environment's messages go through the chat
+    template), in PPO or a critic-free estimator."""
     refused = {
-        "rollout.engine=vllm": cfg.rollout.engine == "vllm",
-        "rollout.asynchronous": cfg.rollout.asynchronous,
         "data.raw_prompts": cfg.data.raw_prompts,
         "run.algorithm=best_of_n": cfg.run.algorithm == "best_of_n",
     }
     if on := [key for key, set_ in refused.items() if set_]:
         raise LmppoError(
-            f"rollout.environment plays episodes with the transformers engine, synchronously, on chat prompts "
-            f"in a PPO run (docs/multiturn.md); {', '.join(on)} cannot run with it yet: remove "
-            f"{'it' if len(on) == 1 else 'them'}, or rollout.environment"
+            f"rollout.environment plays episodes on chat prompts in a PPO run (docs/multiturn.md); "
+            f"{', '.join(on)} cannot run with it: remove {'it' if len(on) == 1 else 'them'}, or "
+            "rollout.environment"
         )
     if cfg.rollout.max_total_tokens is not None and cfg.rollout.max_total_tokens < cfg.rollout.max_new_tokens:
         raise LmppoError(

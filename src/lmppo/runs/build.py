@@ -272,10 +272,12 @@ def build_generator(cfg: Config, spec: RunSpec, models: PPOModels) -> Generator:
     ``rollout.environment`` it samples each turn of an episode."""
     engine = spec.engine
     if engine.kind == "vllm":
-        return vllm_engine(cfg, engine, models.policy, models.tokenizer, dtype=spec.compute_dtype)
+        vllm = vllm_engine(cfg, engine, models.policy, models.tokenizer, dtype=spec.compute_dtype)
+        return with_environment(cfg, engine, vllm)
     if engine.asynchronous:  # a plain copy of the starting policy (before any sharding)
         snapshot = without_adapters(copy.deepcopy(unwrap_model(models.policy)))
-        return SnapshotGenerator(snapshot, models.tokenizer, seed=cfg.run.seed, **generator_options(cfg))
+        generator = SnapshotGenerator(snapshot, models.tokenizer, seed=cfg.run.seed, **generator_options(cfg))
+        return with_environment(cfg, engine, generator)
     generator = HFGenerator(
         models.policy,
         models.tokenizer,
@@ -315,6 +317,7 @@ def vllm_engine(cfg: Config, engine: EngineSpec, policy: nn.Module, tokenizer, *
         weight_sync=engine.weight_sync,
         dtype=dtype,
         sleep=engine.sleeps,
+        max_response_tokens=engine.max_episode_tokens,
         **generator_options(cfg),
     )
 

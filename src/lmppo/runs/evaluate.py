@@ -216,6 +216,8 @@ def _measure(rollout: Rollout, reward_fn, policy, reference, gold_fn) -> list[di
     ]
     for i, row in enumerate(rows if components else ()):
         row["components"] = {name: float(values[i]) for name, values in components.items()}
+    for row, transcript in zip(rows, rollout.transcripts or ()):  # an episode: its turns and context
+        row["episode"] = [{"text": text, "action": action} for text, action in transcript]
     if reference is not None:
         for row, kl in zip(rows, _sequence_kl(policy, reference, rollout).tolist()):
             row["kl_ref"] = kl
@@ -385,8 +387,8 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
         for version, (name, policy) in enumerate((("start", start), ("PPO", final))):
             if engine is not None:
                 engine.sync_weights(policy, version)
-            generator = engine or with_environment(
-                cfg, spec.engine, HFGenerator(policy, tokenizer, **generator_options(cfg))
+            generator = with_environment(
+                cfg, spec.engine, engine or HFGenerator(policy, tokenizer, **generator_options(cfg))
             )
             results[name] = evaluate_policy(
                 policy,

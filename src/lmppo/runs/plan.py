@@ -230,9 +230,11 @@ def model_rows(cfg: Config, spec: RunSpec) -> tuple[list[ModelRow], dict[str, Sh
     shapes of the policy, reward models and critic, and the largest conversion a load does
     (:func:`conversion_bytes`)."""
     policy_config = load_model_config(spec.policy.source)
-    # the context check the rollout makes, before any figure: a response longer than the window is no OOM
+    # the context check the rollout makes, before any figure: a response (an episode) longer than the window
+    # is no OOM
     context = getattr(policy_config, "max_position_embeddings", None)
-    prompt_room(context, cfg.rollout.max_new_tokens, cfg.data.max_prompt_length)
+    budget = "rollout.max_total_tokens" if spec.engine.environment else "rollout.max_new_tokens"
+    prompt_room(context, spec.engine.max_episode_tokens, cfg.data.max_prompt_length, budget)
     base = _meta_model(policy_config)
     quantized = quantized_count(base, spec.policy)
     policy = with_lora(base, spec.policy.lora)

@@ -295,7 +295,17 @@ def _samples_html(policies: Mapping[str, dict]) -> str:
 def _response_cell(row: dict) -> str:
     gold = f", gold {_fmt(row['gold_score'])}" if "gold_score" in row else ""
     scores = f"RM {_fmt(row['rm_score'])}{gold}"
-    return f"{_esc(row['response'])}<br><small>{scores}</small>"
+    return f"{_response_text(row)}<br><small>{scores}</small>"
+
+
+def _response_text(row: dict) -> str:
+    """The response; an episode whole, the policy's turns as text and the context between them greyed."""
+    if "episode" not in row:
+        return _esc(row["response"])
+    return "".join(
+        _esc(run["text"]) if run["action"] else f"<span class='context'>{_esc(run['text'])}</span>"
+        for run in row["episode"]
+    )
 
 
 def _prompt_text(prompt) -> str:
@@ -464,6 +474,7 @@ th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; vertica
 th { background: #f3f3f3; }
 figure { margin: 1em 0; } img { max-width: 100%; } figcaption { color: #555; font-size: 0.9em; }
 pre { background: #f7f7f7; padding: 1em; overflow-x: auto; }
+.context { color: #888; background: #f2f2f2; font-family: monospace; white-space: pre-wrap; }
 """
 
 

@@ -16,6 +16,7 @@ turns; a truncated episode is scored or bootstrapped as ``rollout.truncation`` s
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -65,8 +66,9 @@ class Episode:
 
 
 class EpisodeGenerator:
-    """A rollout engine (:class:`lmppo.sampling.engines.Generator`) that plays episodes: ``engine`` samples
-    each turn (:meth:`HFGenerator.sample_turns`), one ``make_environment()`` per episode answers it."""
+    """A rollout engine (:class:`lmppo.sampling.engines.Generator`) that plays episodes: ``engine`` (the
+    decode loop, its snapshot under ``rollout.asynchronous``, or vLLM) samples each turn
+    (:meth:`HFGenerator.sample_turns`), one ``make_environment()`` per episode answers it."""
 
     def __init__(
         self,
@@ -220,7 +222,7 @@ class EpisodeGenerator:
             response_mask=response_mask.to(device),
             terminated=counts("terminated"),
             logp_old=logp_old.to(device),
-            policy_version=policy_version,
+            policy_version=self.engine.version_sampled(policy_version),
             created_at=time.time(),
             prompts=list(prompts),
             response_texts=[episode.last_turn for episode in episodes],
@@ -230,7 +232,17 @@ class EpisodeGenerator:
             turns=counts("turns"),
             tool_calls=counts("tool_calls"),
             tool_failures=counts("tool_failures"),
+            transcripts=[self._transcript(episode) for episode in episodes],
         )
+
+    def _transcript(self, episode: Episode) -> list[tuple[str, bool]]:
+        """The episode after its prompt as runs of text, each the policy's (True) or context (False), control
+        tokens shown: what the report prints with the two told apart."""
+        runs = []
+        for is_context, group in itertools.groupby(zip(episode.tokens, episode.context), key=lambda t: t[1]):
+            ids = [token for token, _ in group]
+            runs.append((self.tokenizer.decode(ids, skip_special_tokens=False), not is_context))
+        return runs
 
 
 def _is_message(message: object) -> bool:

@@ -56,21 +56,27 @@ def _values_in_key_dtype(update, key_states, value_states, *args, **kwargs):
     return update(key_states, value_states.to(key_states.dtype), *args, **kwargs)
 
 
-def prompt_room(context: int | None, max_new_tokens: int, max_prompt_length: int | None) -> int | None:
+def prompt_room(
+    context: int | None,
+    max_new_tokens: int,
+    max_prompt_length: int | None,
+    key: str = "rollout.max_new_tokens",
+) -> int | None:
     """Tokens a rendered prompt may take in a ``context``-token window (None: no limit known) next to
-    ``max_new_tokens`` of response: ``data.max_prompt_length`` when set, else the rest of the window."""
+    ``max_new_tokens`` of response (the config's ``key``; an episode's: ``rollout.max_total_tokens``):
+    ``data.max_prompt_length`` when set, else the rest of the window."""
     if context is not None and max_new_tokens >= context:
         raise LmppoError(
-            f"rollout.max_new_tokens={max_new_tokens} leaves no room for a prompt in the policy's {context}-token "
-            f"context window (max_position_embeddings); set rollout.max_new_tokens below {context}"
+            f"{key}={max_new_tokens} leaves no room for a prompt in the policy's {context}-token context window "
+            f"(max_position_embeddings); set {key} below {context}"
         )
     room = None if context is None else context - max_new_tokens
     if max_prompt_length is None:
         return room
     if room is not None and max_prompt_length > room:
         raise LmppoError(
-            f"data.max_prompt_length={max_prompt_length} + rollout.max_new_tokens={max_new_tokens} exceeds the "
-            f"policy's {context}-token context window; lower one of them"
+            f"data.max_prompt_length={max_prompt_length} + {key}={max_new_tokens} exceeds the policy's "
+            f"{context}-token context window; lower one of them"
         )
     return max_prompt_length
 
@@ -158,6 +164,11 @@ class HFGenerator:
     def sync_weights(self, policy: nn.Module, policy_version: int) -> None:
         """Nothing to sync: the loop samples from the trained module itself."""
 
+    def version_sampled(self, policy_version: int) -> int:
+        """The policy version a rollout sampled now holds: the trainer's (an engine with its own weights: the
+        version it was last synced to)."""
+        return policy_version
+
     def close(self, abandon: bool = False) -> None:
         """Nothing to release: the cache lives for one batch."""
 
@@ -236,7 +247,7 @@ class HFGenerator:
             response_mask=response_mask,
             terminated=terminated,
             logp_old=logp_old,
-            policy_version=policy_version,
+            policy_version=self.version_sampled(policy_version),
             created_at=time.time(),
             prompts=list(prompts),
             response_texts=self._decode(response_ids, response_mask, terminated),
@@ -387,9 +398,8 @@ class SnapshotGenerator(HFGenerator):
         super().__init__(snapshot.eval().requires_grad_(False), tokenizer, seed=seed, **options)
         self.synced_version = 0
 
-    def generate(self, prompts, policy_version: int, sample_ids=None, rows=None) -> Rollout:
-        """Sample with the snapshot; the rollout records the version the snapshot holds."""
-        return super().generate(prompts, self.synced_version, sample_ids)
+    def version_sampled(self, policy_version: int) -> int:
+        return self.synced_version
 
     def sync_weights(self, policy: nn.Module, policy_version: int) -> None:
         params = dict(self.model.named_parameters())

@@ -71,6 +71,7 @@ class Rollout:
     turns: torch.Tensor | None = None  # (B,) long: the policy's turns per episode
     tool_calls: torch.Tensor | None = None  # (B,) long: the tool calls the environment ran
     tool_failures: torch.Tensor | None = None  # (B,) long: of those, the calls it answered with an error
+    transcripts: list | None = None  # per episode: its text in runs of (text, is_action), for reading
     environment_s: float = 0.0  # seconds the environments took to reset and step
 
     def __len__(self) -> int:

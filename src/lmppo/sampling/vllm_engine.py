@@ -69,7 +69,10 @@ class VLLMGenerator(HFGenerator):
 
     Takes :class:`HFGenerator`'s arguments plus ``seed`` (the run's: each sample's seed derives from it),
     ``kv_cache_gb`` (the engine's KV cache), ``weight_sync`` ("merged" or "lora": what :meth:`sync_weights`
-    pushes), ``dtype`` (the engine's weights; default: the policy's) and ``sleep`` (free the engine's GPU memory between rollouts, where vLLM supports it).
+    pushes), ``dtype`` (the engine's weights; default: the policy's), ``sleep`` (free the engine's GPU
+    memory between rollouts, where vLLM supports it) and ``max_response_tokens`` (the tokens after the
+    prompt a sequence may hold: all of an episode's turns; default ``max_new_tokens``). Prefix caching is on,
+    so an episode's next turn re-reads the cached blocks of the turns before it.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class VLLMGenerator(HFGenerator):
         weight_sync: Literal["merged", "lora"] = "merged",
         dtype: torch.dtype | None = None,
         sleep: bool = False,
+        max_response_tokens: int | None = None,
         **options,
     ):
         super().__init__(policy, tokenizer, seed=seed, **options)
@@ -106,7 +110,12 @@ class VLLMGenerator(HFGenerator):
             enable_sleep_mode=self.sleeps,
             logprobs_mode="processed_logprobs",  # log-probs of the tempered (and top-k/top-p) distribution
             generation_config="vllm",  # never the checkpoint's sampling defaults, as in HFGenerator
-            max_model_len=self.max_prompt_length + self.max_new_tokens if self.max_prompt_length else None,
+            max_model_len=(
+                self.max_prompt_length + (max_response_tokens or self.max_new_tokens)
+                if self.max_prompt_length
+                else None
+            ),
+            enable_prefix_caching=True,
             **(lora_engine_options(policy) if weight_sync == "lora" else {}),
         )
         self.sampling_params = SamplingParams(
@@ -139,11 +148,20 @@ class VLLMGenerator(HFGenerator):
         """Sample with the engine; the rollout records the version the engine holds, not the trainer's."""
         with self.lock:
             self._wake()
-            rollout = super().generate(prompts, self.synced_version, sample_ids)
+            rollout = super().generate(prompts, policy_version, sample_ids)
             if self.sleeps:  # the update needs the memory: free the cache, move the weights to the host
                 self.engine.sleep(level=1)
                 self.asleep = True
         return rollout
+
+    def sample_turns(self, contexts, sample_ids, turn: int, max_new_tokens: int):
+        """An episode's turn on the engine (awake through the episode: a run with episodes never sleeps)."""
+        with self.lock:
+            self._wake()
+            return super().sample_turns(contexts, sample_ids, turn, max_new_tokens)
+
+    def version_sampled(self, policy_version: int) -> int:
+        return self.synced_version
 
     def _wake(self) -> None:
         if self.asleep:
@@ -186,10 +204,15 @@ class VLLMGenerator(HFGenerator):
         self.lora_request = LoRARequest(f"policy-{lora_id}", lora_id, self.adapter_dir.name)
 
     def _sample(
-        self, query_ids: torch.Tensor, query_mask: torch.Tensor, sample_ids: list[int]
+        self,
+        query_ids: torch.Tensor,
+        query_mask: torch.Tensor,
+        sample_ids: list[int],
+        max_new_tokens: int | None = None,
+        turn: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """The engine's samples and log-probs, each sample seeded by its id; no values (vLLM exposes no
-        hidden states: the trainer runs its values pass)."""
+        """The engine's samples and log-probs, each sample seeded by its id (and an episode's turn); no values
+        (vLLM exposes no hidden states: the trainer runs its values pass)."""
         from vllm.inputs import TokensPrompt
 
         prompts = [
@@ -199,7 +222,8 @@ class VLLMGenerator(HFGenerator):
         params = []
         for sample_id in sample_ids:
             params.append(self.sampling_params.clone())
-            params[-1].seed = sample_seed(self.seed, sample_id)
+            params[-1].seed = sample_seed(self.seed, sample_id, turn)
+            params[-1].max_tokens = max_new_tokens or self.max_new_tokens
         outputs = self.engine.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         samples = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
         width = max(len(ids) for ids, _ in samples)

@@ -2,7 +2,9 @@
 
 Each example is rendered exactly as the policy will see it during rollouts: the chat template with the
 generation prompt gives the query, the response tokens plus EOS follow. Only the response (EOS
-included) is a target; query and padding positions get the label -100. Works for any HF causal LM.
+included) is a target; query and padding positions get the label -100. A demonstrated episode (tool calls,
+their results, the user's next turns) is rendered as an episode is played (:mod:`lmppo.sampling.episodes`):
+each assistant turn is a target, the context between turns is not. Works for any HF causal LM.
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmppo.errors import LmppoError
-from lmppo.inputs.data import load_demonstrations, render_query_ids
+from lmppo.inputs.data import (
+    Continuation,
+    Prompt,
+    as_messages,
+    encode_context,
+    load_demonstrations,
+    render_query_ids,
+)
 from lmppo.modeling.loading import load_causal_lm, load_tokenizer
 from lmppo.modeling.lora import with_lora
 from lmppo.training.supervised import fit, merged, pad, trained_parameter_count
@@ -23,18 +32,32 @@ IGNORE = -100  # label of positions that carry no loss
 
 def sft_features(
     tokenizer: PreTrainedTokenizerBase,
-    prompt: str | list[dict],
-    response: str,
+    prompt: Prompt,
+    response: Continuation,
     chat_template: str | None = None,
 ) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of one demonstration: labels are -100 on the query, the ids on response + EOS."""
-    if tokenizer.eos_token_id is None:
+    """(input_ids, labels) of one demonstration: labels are -100 on the query, the ids on response + EOS; in
+    a demonstrated episode on each assistant turn + EOS, -100 on the context between turns."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
         raise LmppoError("SFT: the tokenizer has no EOS token; set tokenizer.eos_token so responses can end")
-    query = render_query_ids(tokenizer, prompt, chat_template)
-    # split_special_tokens: a response's text never becomes a control token; the EOS target is appended
-    response_ids = tokenizer(response, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    response_ids = response_ids + [tokenizer.eos_token_id]
-    return query + response_ids, [IGNORE] * len(query) + response_ids
+    turns = [{"role": "assistant", "content": response}] if isinstance(response, str) else response
+    history = as_messages(prompt)
+    ids = render_query_ids(tokenizer, prompt, chat_template)
+    labels = [IGNORE] * len(ids)
+    starts = [i for i, message in enumerate(turns) if message["role"] == "assistant"] + [len(turns)]
+    for start, end in zip(starts, starts[1:]):
+        turn, between = turns[start]["content"], turns[start + 1 : end]
+        # split_special_tokens: a response's text never becomes a control token; the EOS target is appended
+        turn_ids = tokenizer(turn, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [eos]
+        ids, labels = ids + turn_ids, labels + turn_ids
+        if end < len(turns):  # another turn follows: the context up to its generation prompt
+            context = encode_context(
+                tokenizer, chat_template, history, turn, tokenizer.decode([eos]), between, more_turns=True
+            )
+            ids, labels = ids + context, labels + [IGNORE] * len(context)
+        history = [*history, turns[start], *between]
+    return ids, labels
 
 
 def sft_batch(
