@@ -25,6 +25,7 @@ from ablation import markdown_table, minimum, parser, run_rows, seeds_and_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PERFECT_GOLD = 2.7
+TOOLS_PERFECT_GOLD = 2.5  # lmppo.toy.tools.PERFECT_GOLD
 BASE = "{base}"  # in a row's overrides: that seed's base quickstart, where prepare() writes what rows need
 CLEAN_DEMOS = f"{BASE}/sft_train_clean.jsonl"  # the SFT demonstrations the gold judge rates correct and ended
 ENSEMBLE = [
@@ -115,19 +116,10 @@ def train_another_reward_model(base: Path, seed: int, out: Path) -> None:
     train_toy_reward_model(load_causal_lm(base / "sft"), world, stage, seed, out)
 
 
-def run(out: Path, seed: int, overrides: list[str], models_from: Path | None) -> dict:
-    """One quickstart in its own process; its figures."""
-    command = [
-        sys.executable,
-        "-m",
-        "lmppo",
-        "quickstart",
-        "--out",
-        str(out),
-        "--seed",
-        str(seed),
-        *overrides,
-    ]
+def run(out: Path, seed: int, overrides: list[str], models_from: Path | None, task: str = "instruct") -> dict:
+    """One quickstart of ``task`` in its own process; its figures."""
+    command = [sys.executable, "-m", "lmppo", "quickstart", "--out", str(out), "--seed", str(seed)]
+    command += ["--task", task, *overrides]
     if models_from is not None:
         command += ["--models-from", str(models_from)]
     started = time.perf_counter()
@@ -136,20 +128,28 @@ def run(out: Path, seed: int, overrides: list[str], models_from: Path | None) ->
         return {"failed": done.returncode, "stderr": done.stderr[-2000:]}
     result = json.loads((out / "ppo" / "quickstart.json").read_text())
     sft, ppo = result["summary"]["policies"]["SFT"], result["summary"]["policies"]["PPO"]
-    slices = json.loads((out / "ppo" / "eval.json").read_text())["policies"]["PPO"]["slices"]
-    rm_slices = json.loads((out / "ppo" / "rm_eval.json").read_text())["slices"]["type"]
-    return {
-        "rm_accuracy": result["rm_accuracy"],
-        "rm_accuracy_by_type": {kind: rm_slices[kind]["accuracy"] for kind in sorted(rm_slices)},
+    perfect = PERFECT_GOLD if task == "instruct" else TOOLS_PERFECT_GOLD
+    figures = {
         "gold_sft": sft["eval/gold_score"],
         "gold_ppo": ppo["eval/gold_score"],
-        "gap_closed": (ppo["eval/gold_score"] - sft["eval/gold_score"])
-        / (PERFECT_GOLD - sft["eval/gold_score"]),
+        "gap_closed": (ppo["eval/gold_score"] - sft["eval/gold_score"]) / (perfect - sft["eval/gold_score"]),
         "win_rate": ppo["eval/win_rate"],
         "kl": ppo["eval/kl/ref"],
         "ppl_ratio": ppo["eval/demo_ppl"] / sft["eval/demo_ppl"],
-        "gold_repeat": slices["repeat"]["eval/gold_score"],
         "wall_s": time.perf_counter() - started,
+    }
+    if task == "tools":  # episodes: how the policy uses the calculator
+        for name in ("turns", "tool_calls", "tool_failures"):
+            figures[f"{name}_sft"], figures[name] = sft[f"eval/episode/{name}"], ppo[f"eval/episode/{name}"]
+        figures["reward_sft"], figures["reward"] = sft["eval/reward/rm_score"], ppo["eval/reward/rm_score"]
+        return figures
+    slices = json.loads((out / "ppo" / "eval.json").read_text())["policies"]["PPO"]["slices"]
+    rm_slices = json.loads((out / "ppo" / "rm_eval.json").read_text())["slices"]["type"]
+    return {
+        **figures,
+        "rm_accuracy": result["rm_accuracy"],
+        "rm_accuracy_by_type": {kind: rm_slices[kind]["accuracy"] for kind in sorted(rm_slices)},
+        "gold_repeat": slices["repeat"]["eval/gold_score"],
     }
 
 

@@ -15,6 +15,10 @@ figures go to ``WORK/results.jsonl`` (resumable, as the other ablations).
 
     .venv/bin/python benchmarks/compare_methods.py --seeds 0 --rows "PPO,GRPO,GRPO lr 1e-3"
 
+``--task tools`` compares them on the multi-turn tools world (``lmppo quickstart --task tools``: episodes
+with a calculator, a programmatic reward); best-of-N has no episodes yet, so its rows are refused there.
+Its table adds the held-out episode's turns, tool calls and failed calls, and the training reward.
+
 "gap closed" is the share of the SFT -> perfect (2.7) held-out gold gap that the method closes; "ppl ×" the
 held-out demonstration perplexity over SFT's (the alignment tax); "tokens" the response tokens sampled in
 training; "train s" the seconds of the training steps alone (no evaluation); "peak RSS" the training
@@ -59,10 +63,10 @@ ROWS = {
 }
 
 
-def figures(out: Path, seed: int, overrides: list[str], models_from: Path | None) -> dict:
+def figures(out: Path, seed: int, overrides: list[str], models_from: Path | None, task: str) -> dict:
     """One quickstart run of a method (:func:`ablate_quickstart.run`) and what its run directory says of
     the training: response tokens sampled, the process's peak RSS."""
-    result = run(out, seed, overrides, models_from)
+    result = run(out, seed, overrides, models_from, task)
     if "failed" in result:
         return result
     records = [json.loads(line) for line in (out / "ppo" / "metrics.jsonl").open()]
@@ -77,6 +81,17 @@ def figures(out: Path, seed: int, overrides: list[str], models_from: Path | None
     }
 
 
+TOOLS_COLUMNS = [
+    ("gold", "gold_ppo", 3),
+    ("gap closed", "gap_closed", 2),
+    ("min gap closed", minimum("gap_closed", 2), 2),
+    ("reward", "reward", 2),
+    ("KL", "kl", 2),
+    ("turns", "turns", 2),
+    ("tool calls", "tool_calls", 2),
+    ("failed calls", "tool_failures", 3),
+    ("train s", "train_s", 0),
+]
 COLUMNS = [
     ("gold", "gold_ppo", 3),
     ("gap closed", "gap_closed", 2),
@@ -91,21 +106,25 @@ COLUMNS = [
 
 
 def main(argv=None) -> None:
-    args = parser(__doc__, ROWS, ",".join(METHODS), ROOT / "runs" / "compare_methods").parse_args(argv)
+    p = parser(__doc__, ROWS, ",".join(METHODS), ROOT / "runs" / "compare_methods")
+    p.add_argument("--task", default="instruct", choices=("instruct", "tools"))
+    args = p.parse_args(argv)
     seeds, rows = seeds_and_rows(args, ROWS)
+    if args.task == "tools" and (refused := [row for row in rows if row.startswith("best-of")]):
+        raise SystemExit(f"{refused}: best-of-n does not play episodes yet; leave those rows out")
     extra = args.extra.split()
 
     def run_one(row: str, seed: int) -> dict:
         base = args.work_dir / f"seed{seed}" / "base"
         if not (base / "ppo" / "quickstart.json").is_file():  # the seed's world, SFT policy and RM, once
-            failed = run(base, seed, extra, None).get("failed")
+            failed = run(base, seed, extra, None, args.task).get("failed")
             if failed is not None:
                 raise SystemExit(f"the base quickstart of seed {seed} failed ({failed}); see {base}")
         out = args.work_dir / f"seed{seed}" / row.replace(" ", "_").replace(".", "")
-        return figures(out, seed, [*extra, *ROWS[row]], base)
+        return figures(out, seed, [*extra, *ROWS[row]], base, args.task)
 
     results = run_rows(args.work_dir, seeds, rows, run_one, args.table_only)
-    print(markdown_table(results, rows, ROWS, COLUMNS))
+    print(markdown_table(results, rows, ROWS, TOOLS_COLUMNS if args.task == "tools" else COLUMNS))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,25 @@ def test_the_beta_0_quickstart_is_stopped_by_a_guard_and_diagnosed_as_over_optim
     assert "over_optimisation" in (run_dir / "report" / "index.html").read_text()
 
 
+@pytest.mark.slow
+def test_the_tools_quickstart_trains_and_evaluates_whole_episodes(tmp_path):
+    """--task tools end to end, shrunk: SFT on demonstrated episodes, no reward model (the reward is
+    programmatic), PPO on episodes with the calculator, the held-out evaluation of whole episodes."""
+    summary = run_quickstart(
+        tmp_path / "qs", fast=True, task="tools", overrides=["sft.epochs=1", "run.steps=2"]
+    )
+    sft, ppo = summary["policies"]["SFT"], summary["policies"]["PPO"]
+    assert summary["score"] == "reward" and sft["eval/episode/turns"] >= 1
+    assert {"eval/episode/tool_calls", "eval/episode/tool_failures", "eval/reward/turn"} <= set(ppo)
+    run_dir = tmp_path / "qs" / "ppo"
+    assert not (tmp_path / "qs" / "rm").exists() and not (run_dir / "rm_eval.json").exists()
+    rows = json.loads((run_dir / "eval.json").read_text())["policies"]["PPO"]["rows"]
+    assert all(row["episode"] and row["turns"] >= 1 for row in rows)  # every held-out row keeps its episode
+    trained = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert sum("episode/turns" in record for record in trained) == 2
+    assert json.loads((run_dir / "quickstart.json").read_text())["rm_accuracy"] is None
+
+
 def test_models_from_needs_a_finished_quickstart(tmp_path, capsys):
     assert run_cli("quickstart", "--out", str(tmp_path / "qs"), "--models-from", str(tmp_path / "none")) == 2
     assert "holds no finished quickstart to reuse" in capsys.readouterr().err

@@ -785,7 +785,7 @@ class QuickstartConfig(Section):
     """``lmppo quickstart``: the two supervised stages and the PPO run on the toy world."""
 
     sft: TrainingStage
-    reward_model: TrainingStage
+    reward_model: TrainingStage | None = None  # None: the task's reward is programmatic (--task tools)
     ppo_run: Config
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from enum import StrEnum
 from pathlib import Path
 
 import typer
@@ -252,6 +253,13 @@ def evaluate(
     console.print(summary_table(evaluate_run(run_dir, prompts)))
 
 
+class QuickstartTask(StrEnum):
+    """``lmppo quickstart --task``: the toy world's two tasks (lmppo.interface.quickstart.TASKS)."""
+
+    instruct = "instruct"
+    tools = "tools"
+
+
 @app.command()
 def quickstart(
     overrides: list[str] | None = typer.Argument(
@@ -266,6 +274,12 @@ def quickstart(
         "--models-from",
         help="An earlier quickstart's --out (same --seed): reuse its world, SFT policy and reward model.",
     ),
+    task: QuickstartTask = typer.Option(
+        QuickstartTask.instruct,
+        "--task",
+        help="instruct: one response per prompt, a learned reward model; tools: multi-turn episodes with "
+        "a calculator the policy calls, a programmatic reward.",
+    ),
 ) -> None:
     """The whole RLHF pipeline on the embedded toy world: SFT, reward model, PPO, evaluation, report."""
     from lmppo.interface.quickstart import run_quickstart
@@ -274,7 +288,7 @@ def quickstart(
     overrides = list(overrides or [])
     if beta is not None:
         overrides.append(f"kl.beta={beta}")
-    run_quickstart(out, seed=seed, fast=fast, overrides=overrides, models_from=models_from)
+    run_quickstart(out, seed=seed, fast=fast, overrides=overrides, models_from=models_from, task=task.value)
 
 
 @app.command()

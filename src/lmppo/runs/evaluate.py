@@ -9,7 +9,9 @@ seeded with ``seed`` (common random numbers, so SFT and PPO face the same noise)
 
 Metrics are the training metrics' names under ``eval/`` (docs/metrics.md): ``eval/reward/rm_score``,
 ``eval/kl/ref`` (mean per-sequence sum of the k1 estimate), ``eval/response/length``,
-``eval/response/eos_frac``; with ``reward.components``, ``eval/reward/<name>/raw`` per component; and
+``eval/response/eos_frac``; with ``reward.components``, ``eval/reward/<name>/raw`` per component; with
+episodes, ``eval/reward/turn`` (the environment's rewards) and ``eval/episode/{turns,tool_calls,
+tool_failures}``; and
 ``eval/gold_score`` (when a gold judge is given), ``eval/demo_ppl``
 (perplexity of held-out demonstrations: the alignment tax) and, from :func:`compare_policies`,
 ``eval/win_rate`` (against the baseline policy on the same prompts).
@@ -57,6 +59,10 @@ ROW_METRICS = {
     "kl_ref": "eval/kl/ref",
     "length": "eval/response/length",
     "eos": "eval/response/eos_frac",
+    "turn_reward": "eval/reward/turn",  # an episode's: the environment's rewards summed
+    "turns": "eval/episode/turns",
+    "tool_calls": "eval/episode/tool_calls",
+    "tool_failures": "eval/episode/tool_failures",
 }
 # (metric, column label) of the comparison table; "{baseline}", "{judge}" and "{score}" are filled in.
 SUMMARY_COLUMNS = (
@@ -67,6 +73,8 @@ SUMMARY_COLUMNS = (
     ("eval/demo_ppl", "demo ppl"),
     ("eval/response/length", "length"),
     ("eval/response/eos_frac", "EOS rate"),
+    ("eval/episode/turns", "turns"),
+    ("eval/episode/tool_failures", "failed calls"),
 )
 
 
@@ -216,8 +224,11 @@ def _measure(rollout: Rollout, reward_fn, policy, reference, gold_fn) -> list[di
     ]
     for i, row in enumerate(rows if components else ()):
         row["components"] = {name: float(values[i]) for name, values in components.items()}
-    for row, transcript in zip(rows, rollout.transcripts or ()):  # an episode: its turns and context
-        row["episode"] = [{"text": text, "action": action} for text, action in transcript]
+    for i, transcript in enumerate(rollout.transcripts or ()):  # an episode: its turns and context
+        rows[i]["episode"] = [{"text": text, "action": action} for text, action in transcript]
+        rows[i]["turn_reward"] = float(rollout.turn_rewards[i].sum())
+        for name in ("turns", "tool_calls", "tool_failures"):
+            rows[i][name] = int(getattr(rollout, name)[i])
     if reference is not None:
         for row, kl in zip(rows, _sequence_kl(policy, reference, rollout).tolist()):
             row["kl_ref"] = kl

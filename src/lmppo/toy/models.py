@@ -21,8 +21,9 @@ from transformers import (
 )
 
 from lmppo.errors import LmppoError
-from lmppo.toy.task import DEFAULT_SIZES, tokenizer_corpus, toy_datasets, write_jsonl
-from lmppo.toy.tokenizer import policy_tokenizer, reward_tokenizer, train_bpe
+from lmppo.toy.task import tokenizer_corpus, toy_datasets, write_jsonl
+from lmppo.toy.tokenizer import policy_tokenizer, reward_tokenizer, tools_tokenizer, train_bpe
+from lmppo.toy.tools import tools_corpus, tools_datasets
 
 MAX_POSITIONS = 128  # prompt + response of the toy task stay under 64 tokens
 
@@ -83,25 +84,37 @@ class ToyWorld:
     """Where `build_toy_world` put things."""
 
     policy_dir: Path  # the untrained policy and its tokenizer
-    reward_tokenizer_dir: Path  # the reward model's own tokenizer and chat template
+    reward_tokenizer_dir: Path | None  # the reward model's own tokenizer and chat template (None: no RM)
     data: dict[str, Path]  # name -> JSONL file
 
 
-def build_toy_world(out_dir: str | Path, seed: int = 0, sizes: dict[str, int] | None = None) -> ToyWorld:
+TASKS = ("instruct", "tools")  # lmppo.toy.task, lmppo.toy.tools
+
+
+def build_toy_world(
+    out_dir: str | Path, seed: int = 0, sizes: dict[str, int] | None = None, task: str = "instruct"
+) -> ToyWorld:
     """Write the untrained policy with its tokenizer, the reward tokenizer and the toy data sets.
 
     out_dir/policy_base/       LlamaForCausalLM + policy tokenizer
-    out_dir/reward_tokenizer/  the reward model's tokenizer (same vocabulary, own template)
+    out_dir/reward_tokenizer/  the reward model's tokenizer (same vocabulary, own template); not for tools
     out_dir/data/*.jsonl       sft_train, sft_test, prefs_train, prefs_test, prompts_train, prompts_test
+                               (tools: sft_train and sft_test hold episodes; no preference pairs)
     """
     out_dir = Path(out_dir)
-    bpe = train_bpe(tokenizer_corpus(seed))
-    world = ToyWorld(out_dir / "policy_base", out_dir / "reward_tokenizer", {})
-    tokenizer = policy_tokenizer(bpe)
+    if task == "tools":  # a programmatic reward: no reward model, so no reward tokenizer
+        tokenizer, rm_tokenizer = tools_tokenizer(tools_corpus(seed)), None
+        datasets = tools_datasets(seed, sizes)
+    else:
+        bpe = train_bpe(tokenizer_corpus(seed))
+        tokenizer, rm_tokenizer = policy_tokenizer(bpe), reward_tokenizer(bpe)
+        datasets = toy_datasets(seed, sizes)
+    world = ToyWorld(out_dir / "policy_base", rm_tokenizer and out_dir / "reward_tokenizer", {})
     build_policy(tokenizer, seed=seed).save_pretrained(world.policy_dir)
     tokenizer.save_pretrained(world.policy_dir)
-    reward_tokenizer(bpe).save_pretrained(world.reward_tokenizer_dir)
-    for name, rows in toy_datasets(seed, sizes).items():
+    if rm_tokenizer is not None:
+        rm_tokenizer.save_pretrained(world.reward_tokenizer_dir)
+    for name, rows in datasets.items():
         world.data[name] = write_jsonl(rows, out_dir / "data" / f"{name}.jsonl")
     return world
 
@@ -109,9 +122,11 @@ def build_toy_world(out_dir: str | Path, seed: int = 0, sizes: dict[str, int] | 
 def load_toy_world(out_dir: str | Path) -> ToyWorld:
     """The toy world an earlier :func:`build_toy_world` wrote to ``out_dir``."""
     out_dir = Path(out_dir)
-    data = {name: out_dir / "data" / f"{name}.jsonl" for name in DEFAULT_SIZES}
-    if missing := [str(path) for path in data.values() if not path.is_file()]:
+    data = {path.stem: path for path in sorted((out_dir / "data").glob("*.jsonl"))}
+    if not (out_dir / "policy_base").is_dir() or "prompts_train" not in data:
         raise LmppoError(
-            f"{out_dir} is not a toy world: {', '.join(missing)} missing; build it with build_toy_world"
+            f"{out_dir} is not a toy world (no policy_base/ or data/prompts_train.jsonl); build it with "
+            "build_toy_world"
         )
-    return ToyWorld(out_dir / "policy_base", out_dir / "reward_tokenizer", data)
+    rm_tokenizer = out_dir / "reward_tokenizer"
+    return ToyWorld(out_dir / "policy_base", rm_tokenizer if rm_tokenizer.is_dir() else None, data)
