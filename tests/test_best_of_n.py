@@ -7,11 +7,13 @@ import pytest
 import torch
 import yaml
 from helpers import comparable, run_cli, toy_trainer, write_config
+from sample_environments import SPEC as EPISODES
 
 from lmppo.errors import LmppoError
 from lmppo.inputs.config import load_config
 from lmppo.inputs.resolve import resolve
 from lmppo.runs.checkpoint import latest_checkpoint, load_checkpoint
+from lmppo.sampling.passes import sequence_logprobs
 from lmppo.training.best_of_n import best_of_groups
 from lmppo.training.metrics import read_metrics
 
@@ -38,6 +40,27 @@ def test_a_round_fine_tunes_on_the_winners_and_their_likelihood_rises():
     losses = [trainer.sft_update(winners)[0] for _ in range(3)]
     assert first.updates == 4 and first.policy_moved
     assert losses[-1] < first.metrics["sft/loss"] and losses == sorted(losses, reverse=True)
+
+
+def test_with_an_environment_episodes_are_judged_whole_and_only_their_actions_are_learnt():
+    """Best-of-n on episodes: the pick reads the reward plus the turn rewards, and the fine-tuning loss is
+    the token mean over the policy's own tokens, never the context an environment put between them."""
+    trainer = toy_trainer(*BON, f"rollout.environment={EPISODES}", "rollout.max_turns=3")
+    scored, _ = trainer.score(trainer.collect_rollout())
+    assert scored.context_mask.sum() > 0 and scored.turn_rewards.sum() > 0
+    assert torch.equal(scored.episode_score, scored.rm_score + scored.turn_rewards.sum(1))
+    winners = scored.select(best_of_groups(scored.episode_score, 4))
+    with torch.no_grad():
+        logp = sequence_logprobs(trainer.policy, winners)  # teacher-forced, every response position
+    actions_only = -(logp * winners.action_mask).sum() / winners.action_mask.sum()
+    with_context = -(logp * winners.response_mask).sum() / winners.response_mask.sum()
+    loss, _, _ = trainer.sft_update(winners)  # one minibatch: the loss before its step
+    assert loss == pytest.approx(actions_only.item(), rel=1e-6)
+    # near-uniform toy: every token costs about log V, so the context moves the mean only a little, but
+    # far more than the tolerance above
+    assert abs(with_context.item() - loss) > 1e-5
+    metrics = trainer.step()
+    assert metrics["episode/turns"] > 1 and metrics["bon/winner_score"] >= metrics["reward/turn"]
 
 
 def test_no_winner_above_the_threshold_leaves_the_policy_as_it_was():

@@ -52,7 +52,7 @@ def test_an_environment_settles_its_episode_budget_and_refuses_what_it_cannot_ru
     spec = resolve(load_config(run_files, [env, "rollout.max_total_tokens=40"]))
     assert spec.engine.max_episode_tokens == 40
     assert resolve(load_config(run_files)).engine.max_episode_tokens == 6  # no environment: one response
-    with pytest.raises(LmppoError, match=r"data.raw_prompts cannot run with it: remove it, or rollout.env"):
+    with pytest.raises(LmppoError, match=r"data.raw_prompts cannot run with it: remove one of the two"):
         resolve(load_config(run_files, [env, "data.raw_prompts=true"]))
     vllm = resolve(load_config(run_files, [env, "rollout.engine=vllm"]), device="cuda", present=False)
     assert vllm.engine.kind == "vllm" and not vllm.engine.sleeps  # its cache kept between an episode's turns

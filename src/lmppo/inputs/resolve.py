@@ -477,16 +477,11 @@ def check_engine(cfg: Config) -> None:
 
 def check_episodes(cfg: Config) -> None:
     """What ``rollout.environment`` runs with: chat prompts (an environment's messages go through the chat
-    template), in PPO or a critic-free estimator."""
-    refused = {
-        "data.raw_prompts": cfg.data.raw_prompts,
-        "run.algorithm=best_of_n": cfg.run.algorithm == "best_of_n",
-    }
-    if on := [key for key, set_ in refused.items() if set_]:
+    template), and room for a turn in the episode's budget."""
+    if cfg.data.raw_prompts:
         raise LmppoError(
-            f"rollout.environment plays episodes on chat prompts in a PPO run (docs/multiturn.md); "
-            f"{', '.join(on)} cannot run with it: remove {'it' if len(on) == 1 else 'them'}, or "
-            "rollout.environment"
+            "rollout.environment plays episodes on chat prompts (an environment's messages go through the chat "
+            "template; docs/multiturn.md); data.raw_prompts cannot run with it: remove one of the two"
         )
     if cfg.rollout.max_total_tokens is not None and cfg.rollout.max_total_tokens < cfg.rollout.max_new_tokens:
         raise LmppoError(

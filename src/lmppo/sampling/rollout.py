@@ -158,6 +158,12 @@ class ScoredRollout(Rollout):
         ``ppo.tis_cap`` (the sampler's then only weight the tokens), else the sampler's."""
         return self.logp_trainer if self.logp_trainer is not None else self.logp_old
 
+    @property
+    def episode_score(self) -> torch.Tensor:
+        """(B,) what judges a row as a whole (a group estimator's baseline, best-of-n's pick): the run's
+        reward, plus an episode's turn rewards."""
+        return self.rm_score if self.turn_rewards is None else self.rm_score + self.turn_rewards.sum(1)
+
 
 @dataclass(frozen=True, kw_only=True)
 class EstimatedRollout(ScoredRollout):

@@ -46,8 +46,7 @@ def advantages_of(
     score, flat, turn_rewards = rm_score, None, scored.turn_rewards
     if estimator.groups:  # an episode's turn rewards count in its score, which its group judges
         n = estimator.group_size
-        if turn_rewards is not None:
-            score, turn_rewards = rm_score + turn_rewards.sum(1), None
+        score, turn_rewards = scored.episode_score, None
         flat = core.flat_groups(score, n)
         score = core.group_advantages(score, n, estimator.group_baseline)
     reward_beta = 0.0 if estimator.kl_in_loss else beta

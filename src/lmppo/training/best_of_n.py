@@ -1,6 +1,8 @@
 """Best-of-N rejection sampling, the one-shot relative of PPO (Llama 2-Chat ran four rounds of it before
 PPO): each round samples K responses per prompt from the current policy, scores them with the run's reward,
-keeps each prompt's best and fine-tunes the policy on the winners with the response-only SFT loss.
+keeps each prompt's best and fine-tunes the policy on the winners with the response-only SFT loss. With
+``rollout.environment`` a sample is an episode, judged by its reward plus its turn rewards, and the loss
+reads its actions only.
 
 It is a run like any other (``run.algorithm=best_of_n``, ``lmppo best-of-n``): :class:`BestOfNTrainer` steps
 one round where :class:`~lmppo.training.trainer.PPOTrainer` steps one PPO iteration. It shares sampling and
@@ -47,7 +49,8 @@ class BestOfNTrainer(Stepper):
             rollout = self.sample(seconds)  # rollout.batch_size prompts x K samples, in groups
             with phase("scoring"), timed(seconds, "perf/score_s"):
                 scored, scores = self.score(rollout)  # the reward's scores, the KL to the reference
-            winners = best_of_groups(scored.rm_score, cfg.rollout.samples_per_prompt, cfg.best_of_n.threshold)
+            score = scored.episode_score  # an episode's: the reward plus its turn rewards
+            winners = best_of_groups(score, cfg.rollout.samples_per_prompt, cfg.best_of_n.threshold)
             with phase("update"), timed(seconds, "perf/update_s"):
                 update = self.fine_tune(scored.select(winners))
             lag = self.policy_version - rollout.policy_version
@@ -55,7 +58,7 @@ class BestOfNTrainer(Stepper):
                 self.policy_version += 1
             self.end_step()
         metrics = self.step_metrics(scores, update, None, lag, seconds)  # no KL coefficient in a round
-        kept = scored.rm_score[winners]
+        kept = score[winners]
         metrics["bon/kept_frac"] = len(winners) / cfg.rollout.batch_size
         if len(kept):  # none above the threshold: no score (a NaN would count as a non-finite value)
             metrics["bon/winner_score"] = kept.mean().item()
@@ -79,16 +82,17 @@ class BestOfNTrainer(Stepper):
         return UpdateResult(metrics, epochs, updates, nonfinite, nonfinite < updates)
 
     def sft_update(self, minibatch: Rollout) -> tuple[float, float, float]:
-        """One optimizer step of the token-mean NLL of the responses (temperature 1: the policy's own
-        distribution); returns the loss, the entropy and the pre-clip gradient norm."""
-        ppo, tokens = self.cfg.ppo, minibatch.response_mask.sum().clamp(min=1.0)
+        """One optimizer step of the token-mean NLL of the responses' actions (temperature 1: the policy's own
+        distribution; an episode's context is not the policy's to learn); returns the loss, the entropy and
+        the pre-clip gradient norm."""
+        ppo, tokens = self.cfg.ppo, minibatch.action_mask.sum().clamp(min=1.0)
         micro_batches, _ = rank_micro_batches(
             minibatch, micro_batch_size=ppo.micro_batch_size, micro_batch_tokens=ppo.micro_batch_tokens
         )
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = entropy_sum = 0.0
         for micro in micro_batches:
-            mask = micro.response_mask
+            mask = micro.action_mask
             with self.autocast(), checkpointing(self.train_module.checkpointed):
                 logp, entropy = response_logprobs(self.policy, micro, temperature=1.0)
             share = mask.sum() / tokens  # the minibatch's token mean, accumulated over micro-batches
