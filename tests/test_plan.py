@@ -93,7 +93,8 @@ def test_a_rollout_engine_is_counted_in_every_phase_it_holds_memory(run_files):
         snapshot = plan(device, "rollout.asynchronous=true")
         assert snapshot.phases["rollout"] == base.phases["rollout"] + policy.stored_weights
         assert snapshot.phases["update"] == base.phases["update"] + snapshot.phases["rollout"]
-        assert snapshot.peak > base.peak
+        # the planned bytes, not the peak: the peak adds the process's measured memory, which drifts
+        assert snapshot.needed_per_rank > base.needed_per_rank
 
 
 @pytest.mark.parametrize("shard_frozen", [True, False])
