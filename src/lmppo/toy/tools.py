@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 from lmppo.errors import LmppoError
 from lmppo.sampling.environments import Step, ToolEnvironment
-from lmppo.toy.task import as_user_text
+from lmppo.toy.task import _choose, as_user_text  # the annotator's weighted pick, shared
 
 KINDS = ("add", "sub", "sum3")
 PHRASINGS = {
@@ -227,10 +227,6 @@ def _say(task: Sum, answer: int, period: bool = True, restate: bool = True) -> s
 # --------------------------------------------------------------------------------------------------
 
 DEFAULT_SIZES = {"sft_train": 2000, "sft_test": 200, "prompts_train": 512, "prompts_test": 128}
-
-
-def _choose(rng: random.Random, weights: dict[str, float]) -> str:
-    return rng.choices(list(weights), weights=list(weights.values()))[0]
 
 
 def demonstrations(n: int, *, seed: int, split: str) -> list[dict]:
