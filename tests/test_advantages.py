@@ -33,7 +33,12 @@ def estimate(
         prompts=["p"] * rows,
         response_texts=[""] * rows,
     )
-    scored = ScoredRollout.after(sampled, rm_score=torch.tensor(scores), logp_ref=logp_old - kl_per_token)
+    scored = ScoredRollout.after(
+        sampled,
+        rm_score=torch.tensor(scores),
+        logp_ref=logp_old - kl_per_token,
+        values=torch.zeros(rows, width),
+    )
     cfg = load_config(
         base=BASE, overrides=["kl.beta=0.5", "rollout.batch_size=2", "ppo.minibatch_size=1", *overrides]
     )
@@ -110,3 +115,17 @@ def test_a_group_that_scored_alike_is_flat_and_gets_only_the_kl_term():
     )
     assert estimates.flat_groups.tolist() == [True, True, False, False]
     torch.testing.assert_close(estimated.advantages[:2], torch.tensor([[-0.2, -0.1], [-0.2, -0.1]]))
+
+
+def test_decoupled_lambdas_give_the_policy_its_own_advantages_and_the_critic_the_reward_to_go():
+    """GAE with V = 0, scores (1, 0) and -0.1 per token: lam_policy 0 leaves each token its own reward
+    (-0.1, 0.9), lam_critic 1 makes the returns the reward-to-go (0.8, 0.9); length_adaptive with alpha 1
+    gives a 2-token row lambda 0.5."""
+    base = ("ppo.whiten_advantages=false", "ppo.lam_critic=1.0")
+    estimated, _ = estimate([[1, 1], [1, 1]], 0.2, [1.0, 0.0], "ppo.lam_policy=0.0", *base)
+    torch.testing.assert_close(estimated.advantages, torch.tensor([[-0.1, 0.9], [-0.1, -0.1]]))
+    torch.testing.assert_close(estimated.returns, torch.tensor([[0.8, 0.9], [-0.2, -0.1]]))
+    adaptive, _ = estimate(
+        [[1, 1], [1, 1]], 0.2, [1.0, 0.0], "ppo.lam_policy=length_adaptive", "ppo.lam_alpha=1.0", *base
+    )
+    torch.testing.assert_close(adaptive.advantages, torch.tensor([[0.35, 0.9], [-0.15, -0.1]]))

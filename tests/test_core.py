@@ -325,6 +325,42 @@ def test_gae_matches_brute_force_and_mc_return(gamma, lam):
     assert torch.allclose(adv1 + values * mask, reward_to_go, atol=1e-5)
 
 
+@pytest.mark.parametrize(("lam_policy", "lam_critic"), [(0.95, 1.0), (0.5, 0.9), (1.0, 0.0)])
+def test_decoupled_gae_is_two_brute_force_sums_in_one_pass(lam_policy, lam_critic):
+    """VC-PPO: the advantages take the policy's lambda, the returns the critic's (A(lam_critic) + V); with
+    lam_critic = 1 the returns are the discounted reward-to-go plus the discounted bootstrap."""
+    gen = torch.Generator().manual_seed(7)
+    rewards, values = torch.randn(6, 10, generator=gen), torch.randn(6, 10, generator=gen)
+    mask, bootstrap, gamma = ragged_mask(6, 10, gen), torch.randn(6, generator=gen), 0.97
+    adv, ret = core.gae(rewards, values, mask, gamma, lam_policy, bootstrap, lam_critic=lam_critic)
+    assert torch.allclose(
+        adv, brute_force_gae(rewards, values, mask, gamma, lam_policy, bootstrap), atol=1e-5
+    )
+    critic = brute_force_gae(rewards, values, mask, gamma, lam_critic, bootstrap)
+    assert torch.allclose(ret, (critic + values) * mask, atol=1e-5)
+    if lam_critic == 1.0:
+        lengths = mask.sum(1).long()
+        for b, n in enumerate(lengths.tolist()):
+            for t in range(n):
+                to_go = sum(gamma**k * rewards[b, t + k].item() for k in range(n - t))
+                assert math.isclose(
+                    ret[b, t].item(), to_go + gamma ** (n - t) * bootstrap[b].item(), abs_tol=1e-4
+                )
+
+
+def test_length_adaptive_lambda_is_a_per_row_gae():
+    """VAPO: lambda = 1 - 1 / (alpha * length) per row, and GAE with a (B,) lambda is each row's own GAE."""
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6, [1, 0, 0, 0, 0, 0]]).float()
+    lam = core.length_adaptive_lam(mask, alpha=0.5)
+    assert torch.allclose(lam, torch.tensor([0.5, 1 - 1 / 3, 0.0]))
+    gen = torch.Generator().manual_seed(8)
+    rewards, values = torch.randn(3, 6, generator=gen), torch.randn(3, 6, generator=gen)
+    adv, _ = core.gae(rewards, values, mask, 1.0, lam)
+    for b in range(3):
+        row, _ = core.gae(rewards[b : b + 1], values[b : b + 1], mask[b : b + 1], 1.0, lam[b].item())
+        assert torch.allclose(adv[b], row[0], atol=1e-6)
+
+
 def test_gae_padding_never_leaks_and_bootstrap_only_for_truncated_rows():
     rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     values = torch.tensor([[0.1, 0.2, 0.3, 0.0], [0.5, 0.5, 0.5, 0.5]])
@@ -418,6 +454,25 @@ def test_ppo_clip_loss_gradient_and_clipping():
         0.2,
     )
     assert math.isclose(frac.item(), 2 / 3, rel_tol=1e-6)
+
+
+def test_clip_higher_widens_only_the_upper_bound():
+    """DAPO's clip-higher: with [1 - 0.2, 1 + 0.28] a ratio of 1.25 with a positive advantage still gets
+    its gradient (it is clipped at 1.2 without), a ratio of 0.75 with a negative one is clipped as before."""
+
+    def grad_and_frac(log_ratio: float, advantage: float, high: float | None) -> tuple[float, float]:
+        lp = torch.tensor([[log_ratio]], requires_grad=True)
+        loss, frac = core.ppo_clip_loss(
+            lp, torch.zeros(1, 1), torch.tensor([[advantage]]), torch.ones(1, 1), 0.2, clip_eps_high=high
+        )
+        loss.backward()
+        return lp.grad.item(), frac.item()
+
+    assert grad_and_frac(math.log(1.25), 1.0, None) == (0.0, 1.0)
+    grad, frac = grad_and_frac(math.log(1.25), 1.0, 0.28)
+    assert math.isclose(grad, -1.25, rel_tol=1e-6) and frac == 0.0
+    assert grad_and_frac(math.log(0.75), -1.0, 0.28) == (0.0, 1.0)
+    assert grad_and_frac(math.log(1.3), 1.0, 0.28) == (0.0, 1.0)
 
 
 def test_truncated_importance_weights_scale_each_tokens_surrogate():
@@ -555,3 +610,21 @@ def test_sequence_mean_weights_make_a_token_mean_the_mean_of_the_rows_means():
     assert core.masked_mean(x, mask).item() == pytest.approx(2.5)
     halved = core.sequence_mean_weights(mask, 2.0, token_weights=torch.full((2, 3), 0.5))
     torch.testing.assert_close(halved, weights * 0.5)
+
+
+def test_sequence_ratio_is_one_per_response_with_gspo_tokens_gradient():
+    """GSPO: each row's tokens share s = exp(mean log-ratio); the gradient on token t is -s * A / N (the
+    token-mean over N tokens) while unclipped, and a row whose s leaves [1 - eps, 1 + eps] is clipped whole,
+    even where its own tokens' ratios stay inside."""
+    logp_old = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    log_ratio = torch.tensor([[0.1, -0.1, 9.0], [0.1, 0.15, 0.35]])  # row 1: mean 0.2, s = e^0.2 > 1.2
+    logp_new = log_ratio.clone().requires_grad_(True)
+    adv = torch.ones(2, 3)
+    loss, clip_frac = core.ppo_clip_loss(logp_new, logp_old, adv, mask, 0.2, sequence_ratio=True)
+    loss.backward()
+    assert math.isclose(loss.item(), -(2 * 1.0 + 3 * 1.2) / 5, rel_tol=1e-6)  # row 0: s = 1; row 1: clipped
+    torch.testing.assert_close(logp_new.grad, torch.tensor([[-0.2, -0.2, 0.0], [0.0, 0.0, 0.0]]))
+    assert math.isclose(clip_frac.item(), 3 / 5, rel_tol=1e-6)
+    token_level, _ = core.ppo_clip_loss(log_ratio, logp_old, adv, mask, 0.2)
+    assert not math.isclose(token_level.item(), loss.item())  # per token, 0.35 alone is clipped

@@ -1,6 +1,7 @@
 """The shipped examples keep working: their configs validate, and the SmolLM2 judge does what its README says."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,45 @@ def test_answered_by_majority_needs_correct_to_outnumber_each_wrong_answer(monke
     tie = [v("Paris", True), v("Lyon"), v(None), v(None)]
     assert majority(sure + split, 4) == 0.5
     assert majority(scattered, 4) == 1.0 and majority(tie, 4) == 0.0
+
+
+CALCULATOR = "examples/smollm2_calculator/calculator.py"
+
+
+@pytest.fixture
+def calculator(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    return sys.modules[load_function(f"{CALCULATOR}:Calculator").__module__]
+
+
+def test_calculator_data_files_are_the_modules_and_replay_through_its_environment(calculator):
+    datasets = calculator.datasets()
+    for name, rows in datasets.items():
+        committed = [
+            json.loads(line) for line in (ROOT / f"examples/smollm2_calculator/data/{name}.jsonl").open()
+        ]
+        assert committed == rows, name
+    train = {r["prompt"][-1]["content"] for r in datasets["prompts_train"]}
+    test = {r["prompt"][-1]["content"] for r in datasets["prompts_test"]}
+    assert len(test) == 150 and not train & test
+    right = 0
+    for row in datasets["sft_train"]:  # every tool message is what the environment answers to the call
+        env, messages = calculator.Calculator(), row["messages"]
+        env.reset(row, seed=0)
+        for turn, answer in zip(messages[2::2], messages[3::2]):
+            assert env.step(turn["content"]).messages == [answer]
+        assert env.step(messages[-1]["content"]).done
+        right += calculator.correct(messages[:2], messages[-1]["content"])
+    assert 0.7 < right / len(datasets["sft_train"]) < 0.85  # the annotator slips on about a quarter
+
+
+def test_calculator_tool_refuses_what_is_not_arithmetic_and_a_failed_call_costs(calculator):
+    assert calculator.calculator("12 * (3 + 4)") == "84" and calculator.calculator("7 / 2") == "3.5"
+    env = calculator.Calculator()
+    env.reset({}, seed=0)
+    bad = '<tool_call>{"name": "calculator", "arguments": {"expression": "__import__(\'os\')"}}</tool_call>'
+    step = env.step(bad)
+    assert step.tool_failures == 1 and step.reward == -0.2 and "error" in step.messages[0]["content"]
+    problem = calculator.problems("test", 1, stream="prompts")[0]
+    answer = f"The answer is {problem.answer}."
+    assert calculator.reward([problem.prompt] * 3, [answer, "The answer is 1.", bad]) == [1.0, 0.0, 0.0]

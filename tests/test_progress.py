@@ -91,3 +91,15 @@ def test_stages_are_silent_without_a_display_on_other_ranks_and_off_the_main_thr
         worker.start()
         worker.join()
     assert capsys.readouterr().out == ""
+
+
+def test_a_supervised_stage_shows_its_epochs_and_steps_without_a_ppo_step_line(capsys):
+    progress = ProgressDisplay(0)  # lmppo sft / train-rm: stages only
+    progress.quiet = False
+    with progress, phase("epoch 1/2"):
+        advance("step", 3, 40)
+        assert progress.stage == "epoch 1/2 · step 3/40"
+    assert "step 0/0" not in capsys.readouterr().out
+    with ProgressDisplay(0, quiet=True), phase("epoch 2/2"):  # a log file: a line per epoch
+        advance("step", 21, 40)
+    assert capsys.readouterr().out == "epoch 2/2\n"

@@ -81,7 +81,8 @@ class ProgressDisplay:
     stage under it, live on a terminal; plain lines when ``quiet`` (chosen automatically when stdout is not
     a terminal): every stage entered before step 1, then a step line every ``every`` steps (default: about
     50 lines per run) and at the last. ``reward_label`` names the score: "rm" for a reward model, else
-    "reward". Use as a context manager; only the open one shows stages.
+    "reward". ``total_steps=0``: no step line, the stages alone (``lmppo sft``, ``lmppo train-rm``). Use as
+    a context manager; only the open one shows stages.
     """
 
     def __init__(
@@ -176,11 +177,12 @@ class ProgressDisplay:
         _display = self
         if not self.quiet:
             self._progress = Progress(TextColumn("{task.description}"), console=self.console)
-            self._steps = self._progress.add_task(
-                f"step {self.start_step}/{self.total_steps}",
-                total=self.total_steps,
-                completed=self.start_step,
-            )
+            if self.total_steps:  # 0: stages only (a supervised stage: its epochs and steps)
+                self._steps = self._progress.add_task(
+                    f"step {self.start_step}/{self.total_steps}",
+                    total=self.total_steps,
+                    completed=self.start_step,
+                )
             self._stage = self._progress.add_task("", total=None, visible=False)
             self._progress.start()
         return self

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lmppo.errors import LmppoError
 from lmppo.math.estimators import ESTIMATORS
@@ -411,11 +411,36 @@ class PPOConfig(Section):
         "holds at most this many query + response positions (padding included)",
     )
     clip_eps: float = Field(0.2, gt=0, description="the surrogate's ratio clip: [1 - eps, 1 + eps]")
+    clip_eps_high: float | None = Field(
+        None,
+        gt=0,
+        description="the ratio's upper clip instead, [1 - clip_eps, 1 + clip_eps_high]: DAPO's clip-higher "
+        "(0.28 with clip_eps 0.2) lets unlikely tokens with a positive advantage rise; null = clip_eps",
+    )
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="the importance ratio per token, or one per response (GSPO: exp of the mean log-ratio, "
+        "clipped whole; its paper clips at 3e-4 / 4e-4 and averages each response first, "
+        "ppo.loss_aggregation=sequence_mean)",
+    )
     value_clip_eps: float = Field(0.2, gt=0, description="how far a new value may move from the stored one")
     vf_coef: float = Field(0.5, ge=0, description="weight of the value loss")
     ent_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
     gamma: float = Field(1.0, ge=0, le=1, description="discount per token")
     lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda")
+    lam_policy: float | Literal["length_adaptive"] | None = Field(
+        None,
+        description="the policy's advantages' lambda, decoupled from the critic's (VC-PPO); "
+        "length_adaptive: VAPO's 1 - 1 / (lam_alpha x response length) per row; null = ppo.lam",
+    )
+    lam_critic: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="the critic's targets' lambda (returns = GAE(lam_critic) + V); 1.0 = the reward-to-go, "
+        "VC-PPO's choice, with ppo.critic_warmup_steps its value pretraining; null = ppo.lam",
+    )
+    lam_alpha: float = Field(0.05, gt=0, description="lam_policy=length_adaptive's alpha (VAPO: 0.05)")
     whiten_advantages: bool = Field(True, description="advantages to mean 0, std 1 over the whole batch")
     tis_cap: float | None = Field(
         None,
@@ -455,6 +480,13 @@ class PPOConfig(Section):
         "token_mean = every response token weighs the same, so a long response weighs more; sequence_mean "
         "= each response's own token mean, then the mean over responses (GRPO's paper)",
     )
+
+    @field_validator("lam_policy")
+    @classmethod
+    def _lam_in_range(cls, lam: float | str | None) -> float | str | None:
+        if isinstance(lam, float) and not 0.0 <= lam <= 1.0:
+            raise ValueError(f"ppo.lam_policy={lam} must be between 0 and 1 (or length_adaptive, or null)")
+        return lam
 
     @model_validator(mode="after")
     def _micro_batches_divide(self) -> PPOConfig:
@@ -743,6 +775,12 @@ class Config(Section):
                 f"ppo.critic_warmup_steps trains the critic alone, and ppo.advantage={advantage} has none; "
                 "remove it or set ppo.advantage=gae"
             )
+        lams = [k for k in ("lam_policy", "lam_critic") if getattr(self.ppo, k) is not None]
+        if lams:
+            raise ValueError(
+                f"ppo.{lams[0]} is a lambda of GAE over the critic's values, and ppo.advantage={advantage} "
+                "has no critic (its return is the reward-to-go); remove it or set ppo.advantage=gae"
+            )
         return self
 
     def to_yaml(self) -> str:
@@ -953,6 +991,13 @@ OTHER_TRAINERS_KEYS = {
     "cliprange": "ppo.clip_eps",
     "eps_clip": "ppo.clip_eps",
     "clip_ratio": "ppo.clip_eps",
+    "clip_ratio_high": "ppo.clip_eps_high",  # verl (DAPO's clip-higher)
+    "eps_clip_high": "ppo.clip_eps_high",
+    "cliprange_high": "ppo.clip_eps_high",
+    "actor_lambda": "ppo.lam_policy",
+    "lam_actor": "ppo.lam_policy",
+    "critic_lambda": "ppo.lam_critic",
+    "value_pretrain_steps": "ppo.critic_warmup_steps",
     "cliprange_value": "ppo.value_clip_eps",
     "value_clip": "ppo.value_clip_eps",
     "entropy_coeff": "ppo.ent_coef",

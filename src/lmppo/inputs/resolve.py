@@ -155,17 +155,26 @@ def resolve(
 def resolve_estimator(cfg: Config) -> EstimatorSpec:
     """``ppo.advantage``'s row of :data:`lmppo.math.estimators.ESTIMATORS`, settled with the settings that
     shape it: best-of-n trains no critic; whitening only where the row allows it (a group baseline is already
-    on its group's scale, and Dr. GRPO drops exactly that division)."""
-    row = ESTIMATORS[cfg.ppo.advantage]
+    on its group's scale, and Dr. GRPO drops exactly that division); GAE's two lambdas (``ppo.lam`` where
+    ``ppo.lam_policy`` or ``ppo.lam_critic`` is not set)."""
+    row, ppo = ESTIMATORS[cfg.ppo.advantage], cfg.ppo
     return EstimatorSpec(
-        name=cfg.ppo.advantage,
+        name=ppo.advantage,
         critic=row.critic and cfg.run.algorithm == "ppo",
         group_baseline=row.group_baseline,
         group_size=cfg.rollout.samples_per_prompt,
-        whiten=row.whitens and cfg.ppo.whiten_advantages,
+        whiten=row.whitens and ppo.whiten_advantages,
         kl_in_loss=cfg.kl.in_loss,
         bootstrap_truncated=cfg.rollout.truncation == "bootstrap",
+        lam_policy=_lam(ppo.lam_policy, ppo.lam),
+        lam_critic=_lam(ppo.lam_critic, ppo.lam),
+        lam_alpha=ppo.lam_alpha,
     )
+
+
+def _lam(lam: float | str | None, default: float) -> float | None:
+    """A decoupled lambda: the config's, else ``ppo.lam``; None for the length-adaptive one."""
+    return default if lam is None else None if lam == "length_adaptive" else lam
 
 
 def resolve_engine(cfg: Config, estimator: EstimatorSpec, device: torch.device, sharded: bool) -> EngineSpec:

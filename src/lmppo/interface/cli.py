@@ -206,12 +206,15 @@ def sft(
 ) -> None:
     """Supervised fine-tuning on demonstrations (response-only loss): the policy's starting point."""
     cfg = _supervised_config(config, overrides)
+    from lmppo.progress import ProgressDisplay
     from lmppo.training.sft import run_sft
 
     _quiet_transformers_unless_verbose()
-    stats = run_sft(cfg)
+    with ProgressDisplay(0):  # the epochs and steps, live
+        stats = run_sft(cfg)
+    held_out = f", held-out loss {stats['eval_nll']:.4f}" if "eval_nll" in stats else ""
     console.print(
-        f"SFT: {stats['steps']} steps, final loss {stats['loss'][-1]:.4f}, "
+        f"SFT: {stats['steps']} steps in {stats['time_s']:.0f} s, final loss {stats['loss'][-1]:.4f}{held_out}, "
         f"{stats['trained_parameters']:,} parameters trained; saved to {cfg.output_dir}"
     )
 
@@ -225,10 +228,12 @@ def train_rm(
 ) -> None:
     """Train a Bradley-Terry reward model on preference pairs; reports held-out accuracy per slice."""
     cfg = _supervised_config(config, overrides)
+    from lmppo.progress import ProgressDisplay
     from lmppo.training.reward_modeling import run_train_rm
 
     _quiet_transformers_unless_verbose()
-    stats = run_train_rm(cfg)
+    with ProgressDisplay(0):
+        stats = run_train_rm(cfg)
     accuracy = f", held-out accuracy {stats['eval']['accuracy']:.3f}" if "eval" in stats else ""
     console.print(
         f"reward model ({stats['trained_parameters']:,} parameters trained) saved to {cfg.output_dir}"

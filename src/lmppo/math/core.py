@@ -262,8 +262,9 @@ def gae(
     values: torch.Tensor,
     response_mask: torch.Tensor,
     gamma: float = 1.0,
-    lam: float = 0.95,
+    lam: float | torch.Tensor = 0.95,
     bootstrap_value: torch.Tensor | None = None,
+    lam_critic: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the masked positions only.
 
@@ -271,16 +272,22 @@ def gae(
     "next" is the next *masked-in* position of the row (masked positions are skipped, never read).
     After a row's last response token ``V_next = bootstrap_value`` and ``A_next = 0``.
 
+    Decoupled lambda (VC-PPO): the critic's targets may use their own ``lam_critic``; the same pass
+    accumulates both, ``returns = A(lam_critic) + V``. ``lam_critic = 1`` makes the targets the
+    discounted reward-to-go plus the bootstrap, unbiased by the critic's own errors.
+
     Args:
         rewards: (B, L) per-token rewards.
         values: (B, L) ``V(s_t)``, the value of the state before token ``t``.
         response_mask: (B, L).
-        gamma, lam: discount and GAE lambda.
+        gamma: discount per token.
+        lam: the advantages' GAE lambda, one for all rows or (B,) per row (VAPO's length-adaptive one).
         bootstrap_value: (B,) value of the state after the last response token: ``V`` of that state
             for a truncated row, 0 for a row that ended with EOS. None means all zeros.
+        lam_critic: the returns' lambda; None means ``lam``.
     Returns:
-        ``(advantages, returns)``, each (B, L), ``returns = advantages + values``, zero outside the mask;
-        computed in the wider of fp32 and the inputs' dtype, returned in ``rewards``' dtype.
+        ``(advantages, returns)``, each (B, L), zero outside the mask; computed in the wider of fp32 and
+        the inputs' dtype, returned in ``rewards``' dtype.
     """
     keep = response_mask.bool()
     dtype = torch.promote_types(torch.promote_types(rewards.dtype, values.dtype), torch.float32)  # >= fp32
@@ -289,17 +296,26 @@ def gae(
     next_value = torch.zeros(batch, device=rewards.device, dtype=dtype)
     if bootstrap_value is not None:
         next_value = next_value + bootstrap_value.to(dtype)
-    next_adv = torch.zeros(batch, device=rewards.device, dtype=dtype)
-    advantages = torch.zeros(batch, length, device=rewards.device, dtype=dtype)
+    lams = torch.as_tensor(lam, dtype=dtype, device=rewards.device).expand(batch)
+    lams = torch.stack([lams, lams if lam_critic is None else torch.full_like(lams, lam_critic)])  # (2, B)
+    next_adv = torch.zeros(2, batch, device=rewards.device, dtype=dtype)  # the policy's, the critic's
+    advantages = torch.zeros(2, batch, length, device=rewards.device, dtype=dtype)
     for t in reversed(range(length)):  # one vectorised step per position; rows in parallel
         m = keep[:, t]
         delta = rewards_[:, t] + gamma * next_value - values_[:, t]
-        adv_t = delta + gamma * lam * next_adv
+        adv_t = delta + gamma * lams * next_adv
         next_adv = torch.where(m, adv_t, next_adv)
         next_value = torch.where(m, values_[:, t], next_value)
-        advantages[:, t] = torch.where(m, adv_t, 0.0)
-    returns = torch.where(keep, advantages + values_, 0.0)
-    return advantages.to(rewards.dtype), returns.to(rewards.dtype)
+        advantages[:, :, t] = torch.where(m, adv_t, 0.0)
+    returns = torch.where(keep, advantages[1] + values_, 0.0)
+    return advantages[0].to(rewards.dtype), returns.to(rewards.dtype)
+
+
+def length_adaptive_lam(response_mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """VAPO's policy lambda per row, ``1 - 1 / (alpha * length)`` (B,): a long response's advantages sum
+    over a longer horizon, so its early tokens still see the final reward; at most 1, at least 0."""
+    lengths = response_mask.float().sum(dim=1).clamp(min=1.0)
+    return (1.0 - 1.0 / (alpha * lengths)).clamp(min=0.0, max=1.0)
 
 
 GroupBaseline = Literal["mean_std", "mean", "leave_one_out"]  # what each group baseline subtracts
@@ -366,25 +382,37 @@ def ppo_clip_loss(
     response_mask: torch.Tensor,
     clip_eps: float,
     token_weights: torch.Tensor | None = None,
+    clip_eps_high: float | None = None,
+    sequence_ratio: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clipped surrogate ``-mean_t w_t min(r_t A_t, clip(r_t, 1-eps, 1+eps) A_t)`` over the mask.
+    """Clipped surrogate ``-mean_t w_t min(r_t A_t, clip(r_t, 1-eps, 1+eps_high) A_t)`` over the mask.
 
     ``r_t = exp(logp_new - logp_old)`` is formed in log space. All inputs (B, L). ``token_weights``
     ``w_t`` (default 1) are constants, e.g. truncated importance weights for samples drawn by another
     engine than the one ``logp_old`` comes from (:func:`truncated_importance_weights`).
+    ``clip_eps_high`` (default ``clip_eps``): DAPO's clip-higher, a wider upper bound, so a token with a
+    positive advantage and a low probability can still rise (against entropy collapse).
+    ``sequence_ratio``: GSPO's ratio, one per response, ``s = exp(mean_t(logp_new - logp_old))``, given to
+    every token of the row as ``sg[s] * pi_t / sg[pi_t]``: the value is ``s``, the gradient ``s * grad logp_t``
+    (GSPO-token; with one advantage per row it is GSPO's own gradient), and a row is clipped whole.
     Returns ``(loss, clip_frac)``: token-level mean loss (scalar, differentiable) and the fraction of
-    masked tokens whose ratio left ``[1-eps, 1+eps]`` (scalar, detached).
+    masked tokens whose ratio left ``[1-eps, 1+eps_high]`` (scalar, detached).
     """
     keep = response_mask.bool()
+    low, high = 1.0 - clip_eps, 1.0 + (clip_eps if clip_eps_high is None else clip_eps_high)
     log_ratio = torch.where(keep, logp_new.float() - logp_old.float(), 0.0)  # (B, L)
+    if sequence_ratio:
+        row_mean = log_ratio.sum(1, keepdim=True) / keep.sum(1, keepdim=True).clamp(min=1)  # (B, 1)
+        logp = logp_new.float()
+        log_ratio = torch.where(keep, row_mean.detach() + logp - logp.detach(), 0.0)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    clipped = torch.clamp(ratio, low, high) * advantages
     surrogate = -torch.min(unclipped, clipped)
     if token_weights is not None:
         surrogate = surrogate * token_weights.detach()
     loss = masked_mean(surrogate, response_mask)
-    clip_frac = masked_mean(((ratio - 1.0).abs() > clip_eps).float(), response_mask)
+    clip_frac = masked_mean(((ratio < low) | (ratio > high)).float(), response_mask)
     return loss, clip_frac.detach()
 
 

@@ -62,6 +62,9 @@ class EstimatorSpec:
     whiten: bool  # the advantages to mean 0, std 1 over the whole batch
     kl_in_loss: bool  # kl.in_loss: the update's loss carries the KL to the reference, the reward does not
     bootstrap_truncated: bool  # rollout.truncation=bootstrap: a truncated row is unfinished, its future is V
+    lam_policy: float | None  # the advantages' GAE lambda; None: VAPO's length-adaptive one per row
+    lam_critic: float  # the returns' lambda (VC-PPO decouples it)
+    lam_alpha: float  # the length-adaptive lambda's alpha
 
     @property
     def groups(self) -> bool:

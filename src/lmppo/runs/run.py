@@ -29,7 +29,14 @@ from lmppo.inputs.data import (
     load_prompt_rows,
     prompt_slices,
 )
-from lmppo.inputs.resolve import RunSpec, check_batches, policy_role, resolve, resolve_device
+from lmppo.inputs.resolve import (
+    RunSpec,
+    check_batches,
+    policy_role,
+    resolve,
+    resolve_device,
+    resolve_estimator,
+)
 from lmppo.modeling.distributed import (
     DistInfo,
     any_rank,
@@ -720,6 +727,10 @@ def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config, which
         if which
         else ""
     )
+    lams = resolve_estimator(cfg)
+    lam = lams.lam_critic
+    if lams.lam_policy != lams.lam_critic:  # decoupled (VC-PPO), or VAPO's length-adaptive one
+        lam = f"{'length-adaptive' if lams.lam_policy is None else lams.lam_policy} / {lam} (policy / critic)"
     (out_dir / "README.md").write_text(
         f"# PPO policy trained with lmppo\n\n"
         f"- Started from: `{cfg.models.policy.path}` (reference: the starting weights)\n"
@@ -727,7 +738,7 @@ def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config, which
         f"- Reward: {reward}\n"
         f"- KL: {cfg.kl.estimator} estimator per token in the reward, {kl}\n"
         f"- PPO: {cfg.run.steps} steps of {cfg.rollout.batch_size} prompts, {cfg.ppo.ppo_epochs} epochs, "
-        f"clip {cfg.ppo.clip_eps}, gamma {cfg.ppo.gamma}, lambda {cfg.ppo.lam}, lr {cfg.ppo.lr}\n"
+        f"clip {cfg.ppo.clip_eps}, gamma {cfg.ppo.gamma}, lambda {lam}, lr {cfg.ppo.lr}\n"
         f"- Decoding it was trained with (in generation_config.json): temperature {cfg.rollout.temperature}, "
         f"top_k {cfg.rollout.top_k}, top_p {cfg.rollout.top_p}, max_new_tokens {cfg.rollout.max_new_tokens}\n\n"
         "The evaluated artifact is these weights *with* that decoding and that reward preprocessing.\n"

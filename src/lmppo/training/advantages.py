@@ -1,7 +1,8 @@
 """From a scored rollout to its advantages, by the run's estimator (``RunSpec.estimator``, a row of
 :data:`lmppo.math.estimators.ESTIMATORS`; formulas in :mod:`lmppo.math.core` and docs/core.md):
 
-- ``gae``: the KL-shaped rewards and the critic's values through masked GAE; returns = A + V.
+- ``gae``: the KL-shaped rewards and the critic's values through masked GAE; returns = A + V, where the
+  critic's A may take its own lambda (``ppo.lam_critic``, VC-PPO) and the policy's a length-adaptive one.
 - ``grpo`` / ``dr_grpo`` / ``rloo``: the sequence score minus its group's baseline (the other samples of
   the same prompt), placed on the last token like a score and summed with the per-token KL penalty into
   the reward-to-go of each token. A group is whole on the rank that computes it: the prompt stream gives
@@ -56,8 +57,11 @@ def advantages_of(
     if not estimator.critic:  # no critic: the return itself, the reward-to-go from each token
         advantages = returns = core.discounted_returns(rewards, mask, cfg.ppo.gamma)
     else:
+        lam = estimator.lam_policy
+        if lam is None:  # VAPO: the longer the response, the longer the horizon
+            lam = core.length_adaptive_lam(mask, estimator.lam_alpha)
         advantages, returns = core.gae(
-            rewards, scored.values, mask, cfg.ppo.gamma, cfg.ppo.lam, bootstrap_value
+            rewards, scored.values, mask, cfg.ppo.gamma, lam, bootstrap_value, estimator.lam_critic
         )
     adv_mean = core.masked_mean(advantages, mask, group)
     adv_std = core.masked_var(advantages, mask, unbiased=False, group=group).sqrt()

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
 from lmppo.errors import LmppoError
 from lmppo.modeling.models import trainable_parameters
+from lmppo.progress import advance, phase
 
 
 def pad(rows: Sequence[Sequence[int]], value: int, side: str = "right") -> torch.Tensor:
@@ -92,13 +93,15 @@ def fit(
     )
     rng, history, start = random.Random(seed), {"loss": []}, time.perf_counter()
     model.train()
-    for _ in range(epochs):
-        for batch in shuffled_batches(items, batch_size, rng):
-            loss, extras = batch_loss(batch)
-            update.step(loss)
-            history["loss"].append(loss.item())
-            for name, value in extras.items():
-                history.setdefault(name, []).append(value)
+    for epoch in range(epochs):
+        with phase(f"epoch {epoch + 1}/{epochs}"):  # a long SFT shows where it is (lmppo.progress)
+            for batch in shuffled_batches(items, batch_size, rng):
+                loss, extras = batch_loss(batch)
+                update.step(loss)
+                history["loss"].append(loss.item())
+                for name, value in extras.items():
+                    history.setdefault(name, []).append(value)
+                advance("step", len(history["loss"]), total_steps)
     model.eval()
     return {**history, "steps": len(history["loss"]), "time_s": time.perf_counter() - start}
 

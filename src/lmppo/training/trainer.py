@@ -171,7 +171,14 @@ class PPOTrainer(Stepper):
         if ppo.loss_aggregation == "sequence_mean":
             weights = core.sequence_mean_weights(mask, mean_length, weights)
         policy_loss, clip_frac = core.ppo_clip_loss(
-            logp_new, logp_old, micro.advantages, mask, ppo.clip_eps, token_weights=weights
+            logp_new,
+            logp_old,
+            micro.advantages,
+            mask,
+            ppo.clip_eps,
+            weights,
+            ppo.clip_eps_high,
+            sequence_ratio=ppo.ratio_level == "sequence",
         )
         kl_loss = torch.zeros(
             ()
