@@ -628,3 +628,9 @@ def test_sequence_ratio_is_one_per_response_with_gspo_tokens_gradient():
     assert math.isclose(clip_frac.item(), 3 / 5, rel_tol=1e-6)
     token_level, _ = core.ppo_clip_loss(log_ratio, logp_old, adv, mask, 0.2)
     assert not math.isclose(token_level.item(), loss.item())  # per token, 0.35 alone is clipped
+
+
+def test_overlong_fraction_rises_over_the_buffer_before_the_limit():
+    """DAPO: limit 20, buffer 4: nothing up to 16 tokens, then a quarter per token, all of it at 20."""
+    lengths = torch.tensor([3, 16, 17, 18, 20])
+    assert core.overlong_fraction(lengths, limit=20, buffer=4).tolist() == [0.0, 0.0, 0.25, 0.5, 1.0]

@@ -445,3 +445,15 @@ def test_asynchronous_rollouts_are_one_version_behind_and_the_ratio_is_taken_aga
     snapshot = dict(trainer.generator.model.named_parameters())
     assert all(torch.equal(p, snapshot[name]) for name, p in trainer.policy.named_parameters())
     assert trainer.generator.synced_version == trainer.policy_version == 3
+
+
+def test_overlong_shaping_takes_its_penalty_from_the_score():
+    """DAPO's overlong shaping on the same samples: the score used is the plain one less the penalty, which
+    rows within 4 tokens of the 8-token limit pay (an untrained toy policy runs long)."""
+    plain = toy_trainer().step()
+    shaped = toy_trainer("reward.overlong_buffer=4", "reward.overlong_penalty=0.5").step()
+    assert shaped["response/length"] == plain["response/length"]  # the same samples
+    assert 0 < shaped["reward/overlong_penalty"] <= 0.5 and "reward/overlong_penalty" not in plain
+    assert shaped["reward/rm_score_used"] == pytest.approx(
+        plain["reward/rm_score_used"] - shaped["reward/overlong_penalty"]
+    )

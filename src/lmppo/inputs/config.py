@@ -209,6 +209,14 @@ class RewardConfig(RewardSource):
 
     components: list[RewardComponent] = []
     gate: RewardGate | None = None
+    overlong_buffer: int | None = Field(
+        None,
+        gt=0,
+        description="DAPO's overlong shaping: over the last N tokens before the length limit "
+        "(rollout.max_new_tokens; an episode's max_total_tokens) the score loses overlong_penalty x the "
+        "share of those N tokens used, all of it at the limit; null = off",
+    )
+    overlong_penalty: float = Field(1.0, gt=0, description="what reward.overlong_buffer takes at the limit")
 
     @model_validator(mode="after")
     def _one_shape(self) -> RewardConfig:

@@ -197,9 +197,7 @@ def resolve_engine(cfg: Config, estimator: EstimatorSpec, device: torch.device, 
         values_from_decode=shared_critic and not sharded and not vllm and not r.asynchronous and not episodes,
         bootstrap_values=estimator.bootstrap_truncated,  # terminal: the estimator zeroes it anyway
         environment=r.environment,
-        max_episode_tokens=(r.max_total_tokens or r.max_turns * r.max_new_tokens)
-        if episodes
-        else r.max_new_tokens,
+        max_episode_tokens=episode_token_limit(cfg),
     )
 
 
@@ -475,6 +473,12 @@ def check_engine(cfg: Config) -> None:
         )
     if cfg.rollout.environment is not None:
         check_episodes(cfg)
+    limit = episode_token_limit(cfg)
+    if cfg.reward.overlong_buffer is not None and cfg.reward.overlong_buffer > limit:
+        raise LmppoError(
+            f"reward.overlong_buffer={cfg.reward.overlong_buffer} tokens is longer than the {limit} a response "
+            "may have (rollout.max_new_tokens, or an episode's max_total_tokens); give it at most that"
+        )
     if cfg.rollout.engine != "vllm":
         return
     if cfg.models.policy.gguf_file or not Path(cfg.models.policy.path).is_dir():
@@ -482,6 +486,14 @@ def check_engine(cfg: Config) -> None:
             "rollout.engine=vllm loads models.policy.path as a transformers directory; convert a "
             "GGUF file first (lmppo.modeling.loading.cache_gguf_as_transformers)"
         )
+
+
+def episode_token_limit(cfg: Config) -> int:
+    """The tokens after the prompt a rollout row may hold: a response's, or all of an episode's turns."""
+    r = cfg.rollout
+    if r.environment is None:
+        return r.max_new_tokens
+    return r.max_total_tokens or r.max_turns * r.max_new_tokens
 
 
 def check_episodes(cfg: Config) -> None:

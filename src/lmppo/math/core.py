@@ -257,6 +257,12 @@ def shaped_rewards(
     return kl_penalty.index_put((torch.arange(len(last), device=last.device), last), score, accumulate=True)
 
 
+def overlong_fraction(lengths: torch.Tensor, limit: int, buffer: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment, as a share (B,): 0 up to ``limit - buffer`` tokens, then rising
+    linearly to 1 at ``limit``; the score loses ``penalty x`` it (``reward.overlong_buffer``)."""
+    return ((lengths.float() - (limit - buffer)) / buffer).clamp(min=0.0, max=1.0)
+
+
 def gae(
     rewards: torch.Tensor,
     values: torch.Tensor,

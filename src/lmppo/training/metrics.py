@@ -32,6 +32,7 @@ METRIC_NAMES: dict[str, str] = {
     "reward/norm_mean": "running mean of raw scores used by reward.normalize",
     "reward/norm_std": "running standard deviation of raw scores used by reward.normalize",
     "reward/clip_frac": "fraction of scores beyond +-reward.clip before clipping",
+    "reward/overlong_penalty": "mean score taken by reward.overlong_buffer's shaping (responses near the limit)",
     "reward/kl_penalty": "mean per-sequence non-score reward, sum_t -beta * KL_t (<= 0 on average); absent "
     "under kl.in_loss",
     "reward/shaped": "mean per-sequence sum of the shaped per-token rewards PPO optimises",

@@ -151,6 +151,8 @@ class Stepper:
         rm_score, component_rows, transform_stats = self.reward.shape(
             raw, rollout.terminated.to(mask.device), self.group
         )
+        if self.cfg.reward.overlong_buffer is not None:  # DAPO: the score fades near the length limit
+            rm_score, transform_stats["reward/overlong_penalty"] = self._overlong(rollout, rm_score)
         # A truncated row either ends the episode (scored, nothing after it) or is unfinished (its future,
         # score included, is V(s_after)): never both, or truncation would be paid twice.
         if self.spec.estimator.bootstrap_truncated:
@@ -174,6 +176,15 @@ class Stepper:
             clipped = (tis["tis_weights"] >= self.cfg.ppo.tis_cap).float()
             metrics["engine/tis_clip_frac"] = core.masked_mean(clipped, mask, self.group).item()
         return scored, Scores(metrics, kl_per_token)
+
+    def _overlong(self, rollout: Rollout, rm_score: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The score less ``reward.overlong_penalty`` x the share of the last ``overlong_buffer`` tokens
+        before the limit each row used, and that penalty's mean."""
+        reward = self.cfg.reward
+        lengths = rollout.response_mask.sum(1).to(rm_score.device)  # actions and context: what the limit counts
+        fraction = core.overlong_fraction(lengths, self.spec.engine.max_episode_tokens, reward.overlong_buffer)
+        penalty = reward.overlong_penalty * fraction
+        return rm_score - penalty, penalty.mean().item()
 
     def _values(self, rollout: Rollout, seconds: dict[str, float]) -> dict[str, torch.Tensor]:
         """``values`` and ``bootstrap_value`` from the current critic: a stored pass, unless the decode loop
