@@ -60,7 +60,9 @@ def test_an_environment_settles_its_episode_budget_and_refuses_what_it_cannot_ru
         resolve(load_config(run_files, [env, "rollout.max_total_tokens=4"]))
     with pytest.raises(LmppoError, match=r"reward.overlong_buffer=7 tokens is longer than the 6"):
         resolve(load_config(run_files, ["reward.overlong_buffer=7"]))
-    resolve(load_config(run_files, [env, "rollout.max_turns=2", "reward.overlong_buffer=7"]))  # 12 in an episode
+    resolve(
+        load_config(run_files, [env, "rollout.max_turns=2", "reward.overlong_buffer=7"])
+    )  # 12 in an episode
 
 
 @pytest.mark.parametrize(

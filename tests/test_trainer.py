@@ -455,5 +455,5 @@ def test_overlong_shaping_takes_its_penalty_from_the_score():
     assert shaped["response/length"] == plain["response/length"]  # the same samples
     assert 0 < shaped["reward/overlong_penalty"] <= 0.5 and "reward/overlong_penalty" not in plain
     assert shaped["reward/rm_score_used"] == pytest.approx(
-        plain["reward/rm_score_used"] - shaped["reward/overlong_penalty"]
+        plain["reward/rm_score"] - shaped["reward/overlong_penalty"]  # plain: the raw score is the one used
     )

@@ -181,8 +181,12 @@ class Stepper:
         """The score less ``reward.overlong_penalty`` x the share of the last ``overlong_buffer`` tokens
         before the limit each row used, and that penalty's mean."""
         reward = self.cfg.reward
-        lengths = rollout.response_mask.sum(1).to(rm_score.device)  # actions and context: what the limit counts
-        fraction = core.overlong_fraction(lengths, self.spec.engine.max_episode_tokens, reward.overlong_buffer)
+        lengths = rollout.response_mask.sum(1).to(
+            rm_score.device
+        )  # actions and context: what the limit counts
+        fraction = core.overlong_fraction(
+            lengths, self.spec.engine.max_episode_tokens, reward.overlong_buffer
+        )
         penalty = reward.overlong_penalty * fraction
         return rm_score - penalty, penalty.mean().item()
 
