@@ -47,6 +47,7 @@ def test_first_update_sees_ratio_one_and_metrics_are_complete():
                 "reward/eos_penalty",
                 "reward/norm",
                 "reward/clip",
+                "reward/overlong_penalty",  # reward.overlong_buffer only
                 "perf/allreduce_mb",
                 "perf/allgather_mb",
                 "perf/reduce_scatter_mb",
