@@ -14,27 +14,18 @@ share correct, tool calls and failed calls per episode, and the means per kind.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
+
+from lmppo.user_code import load_function  # examples/ is no package: files load by path, as lmppo loads them
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
-def load_module(path: Path, name: str):
-    """A file as a module, as lmppo loads it (examples/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def write_data(calculator) -> None:
-    for name, rows in calculator.datasets().items():
+def write_data() -> None:
+    for name, rows in load_function(f"{HERE / 'calculator.py'}:datasets")().items():
         path = HERE / "data" / f"{name}.jsonl"
         path.parent.mkdir(exist_ok=True)
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -93,8 +84,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.evaluate:
         return evaluate(args.evaluate, args.overrides)
-    write_data(load_module(HERE / "calculator.py", "smollm2_calculator"))
-    load_module(REPO / "examples" / "smollm2" / "prepare.py", "smollm2_prepare").load_model()
+    write_data()
+    load_function(f"{REPO / 'examples' / 'smollm2' / 'prepare.py'}:load_model")()  # converts SmolLM2 once
 
 
 if __name__ == "__main__":
