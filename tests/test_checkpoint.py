@@ -420,6 +420,16 @@ def test_the_override_returns_the_differences():
     ]
 
 
+def test_a_key_added_by_a_newer_lmppo_at_its_default_is_no_difference():
+    """A checkpoint written before ``ppo.lam_policy`` existed resumes under the version that added it:
+    the default keeps the old behaviour. The same key at another value is a difference."""
+    at_default = {**CONFIG, "ppo": {**CONFIG["ppo"], "lam_policy": None, "ratio_level": "token"}}
+    assert check_compatible(MANIFEST, at_default, IDENTITIES, allow_mismatch=False) == []
+    changed = {**CONFIG, "ppo": {**CONFIG["ppo"], "lam_policy": 0.9}}
+    with pytest.raises(LmppoError, match="config.ppo.lam_policy: checkpoint \\(absent\\), now 0.9"):
+        check_compatible(MANIFEST, changed, IDENTITIES, allow_mismatch=False)
+
+
 @pytest.mark.parametrize(
     "error",
     [

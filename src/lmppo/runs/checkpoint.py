@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 import lmppo
 from lmppo.errors import LmppoError
+from lmppo.inputs.config import schema_default
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -554,7 +555,9 @@ def check_compatible(
     differences = [
         f"{key}: checkpoint {_show(saved.get(key, _ABSENT))}, now {_show(now.get(key, _ABSENT))}"
         for key in sorted(saved.keys() | now.keys())
-        if not _resumable(key) and saved.get(key, _ABSENT) != now.get(key, _ABSENT)
+        if not _resumable(key)
+        and saved.get(key, _ABSENT) != now.get(key, _ABSENT)
+        and not _added_at_default(key, saved, now)
     ]
     fixed = [d for d in differences if d.startswith(FIXED_KEYS)]
     if fixed:
@@ -578,6 +581,13 @@ def check_compatible(
             f"Pass --allow-config-change to resume anyway (the differences are recorded in the run).{ranks}"
         )
     return differences
+
+
+def _added_at_default(key: str, saved: dict, now: dict) -> bool:
+    """A key a newer lmppo added, at its default: the checkpoint's run behaved as that default does
+    (every new key's default keeps the old behaviour), so it is no difference."""
+    inner = key.removeprefix("config.")
+    return inner != key and key not in saved and now.get(key, _ABSENT) == schema_default(inner)
 
 
 def _show(value: Any) -> str:
