@@ -205,6 +205,26 @@ def toy_trainer(*overrides: str, models: PPOModels | None = None, **kwargs) -> P
     return build_trainer(cfg, spec, models, PROMPTS * 4, **kwargs)
 
 
+def signal_on_cats(prompts, responses) -> torch.Tensor:
+    """Responses to the cat and happy-day prompts score apart; the poem and story ones all score 1."""
+    return torch.tensor(
+        [
+            float(sum(map(ord, r)) % 97) if ("cat" in str(p) or "happy" in str(p)) else 1.0
+            for p, r in zip(prompts, responses)
+        ]
+    )
+
+
+def scored_by(function):
+    """The toy models with ``function`` as the one reward component."""
+    from lmppo.rewards.scoring import CombinedReward, ScoredComponent  # noqa: PLC0415
+
+    return dataclasses.replace(toy_models(), reward=CombinedReward([ScoredComponent("r", function)]))
+
+
+DYNAMIC_SAMPLING = ("rollout.samples_per_prompt=2", "rollout.dynamic_sampling=true", "ppo.advantage=grpo")
+
+
 # --------------------------------------------------------------------------------------------------
 # Runs through the CLI
 # --------------------------------------------------------------------------------------------------

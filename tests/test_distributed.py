@@ -12,12 +12,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import (
+    DYNAMIC_SAMPLING,
     FAILS_ON_RANK1,
     GOOD_JUDGE,
     LOSES_RANK1,
     boost_token,
     comparable,
     run_cli,
+    scored_by,
+    signal_on_cats,
     torchrun,
     toy_models,
     toy_trainer,
@@ -405,3 +408,38 @@ def test_a_reward_function_failing_on_one_rank_is_reported_as_itself_not_as_a_lo
     assert done.returncode != 0 and "exitcode  : 2" in done.stderr, done.stderr  # both ranks: bad input
     assert "on rank 1:" in done.stderr and "rank 1's reward service is down" in done.stderr
     assert "lost rank" not in done.stderr
+
+
+def _dynamic_sampling_worker(rank: int, world: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        trainer = toy_trainer(
+            *DYNAMIC_SAMPLING,
+            models=scored_by(signal_on_cats),
+            group=dist.group.WORLD,
+            rank=rank,
+            world_size=world,
+        )
+        rollout = trainer.sample({})
+        results[rank] = (len(rollout), dict(trainer.sampling_metrics), rollout.prompts)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_dynamic_sampling_ranks_sample_in_step_and_count_globally():
+    """Each rank fills its own share with groups that have a signal; they take the same number of extra
+    rounds (a rank already full samples along, so the collectives of generation match) and log global
+    counts."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        port = 29500 + (os.getpid() + 11) % 1000
+        mp.spawn(_dynamic_sampling_worker, args=(2, port, results), nprocs=2, join=True)
+        ranks = [results[0], results[1]]
+    assert [rows for rows, _, _ in ranks] == [8, 8]  # each rank's share of 8 prompts x 2 samples
+    assert ranks[0][1] == ranks[1][1] and ranks[0][1]["rollout/flat_groups_kept"] == 0
+    rounds = 1 + ranks[0][1]["rollout/extra_rounds"]
+    assert ranks[0][1]["rollout/signal_groups"] + ranks[0][1]["rollout/flat_groups_dropped"] == 8 * rounds
+    assert all("cat" in str(p) or "happy" in str(p) for _, _, prompts in ranks for p in prompts)

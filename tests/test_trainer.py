@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import PROMPTS, toy_models, toy_trainer
+from helpers import DYNAMIC_SAMPLING, PROMPTS, scored_by, signal_on_cats, toy_models, toy_trainer
 
 from lmppo.errors import LmppoError
 from lmppo.modeling.lora import make_reference
@@ -56,6 +56,7 @@ def test_first_update_sees_ratio_one_and_metrics_are_complete():
                 "perf/weight_sync_s",
                 "policy/kl_loss",  # kl.in_loss only
                 "adv/flat_group_frac",  # group baselines only
+                "rollout/",  # rollout.dynamic_sampling only
                 "bon/",  # best-of-n rounds only
                 "episode/",  # an environment's episodes only
                 "reward/turn",
@@ -458,3 +459,40 @@ def test_overlong_shaping_takes_its_penalty_from_the_score():
     assert shaped["reward/rm_score_used"] == pytest.approx(
         plain["reward/rm_score"] - shaped["reward/overlong_penalty"]  # plain: the raw score is the one used
     )
+
+
+def test_dynamic_sampling_replaces_flat_groups_with_new_prompts():
+    """Half the prompts give groups that all score alike: they are set aside and the next prompts are
+    sampled until 8 groups with a signal fill the batch; the rows keep the scores sampling gave them."""
+    trainer = toy_trainer(*DYNAMIC_SAMPLING, models=scored_by(signal_on_cats))
+    rollout = trainer.sample({})
+    assert len(rollout) == 16 and all("cat" in str(p) or "happy" in str(p) for p in rollout.prompts)
+    assert trainer.sampling_metrics["rollout/flat_groups_kept"] == 0
+    assert trainer.sampling_metrics["rollout/extra_rounds"] >= 1  # 4 of each round's 8 prompts are flat
+    dropped, signal = (
+        trainer.sampling_metrics[k] for k in ("rollout/flat_groups_dropped", "rollout/signal_groups")
+    )
+    assert signal >= 8 and dropped == 8 * (1 + trainer.sampling_metrics["rollout/extra_rounds"]) - signal
+    assert torch.equal(
+        torch.tensor(rollout.reward_raw)[:, 0], signal_on_cats(rollout.prompts, rollout.response_texts)
+    )
+    metrics = trainer.step()
+    assert metrics["adv/flat_group_frac"] == 0.0 and metrics["rollout/flat_groups_kept"] == 0
+
+
+def test_dynamic_sampling_gives_up_after_its_rounds_and_keeps_flat_groups():
+    flat = scored_by(lambda prompts, responses: torch.ones(len(prompts)))
+    trainer = toy_trainer(
+        "rollout.samples_per_prompt=2", "rollout.dynamic_sampling=true", "rollout.dynamic_sampling_rounds=2",
+        "ppo.advantage=grpo", models=flat,
+    )  # fmt: skip
+    metrics = trainer.step()
+    assert metrics["rollout/extra_rounds"] == 2 and metrics["rollout/signal_groups"] == 0
+    assert metrics["rollout/flat_groups_kept"] == 8 and metrics["rollout/flat_groups_dropped"] == 16
+    assert metrics["adv/flat_group_frac"] == 1.0
+    with pytest.raises(LmppoError, match="samples_per_prompt=1 makes groups of one"):
+        toy_trainer("rollout.dynamic_sampling=true")
+    with pytest.raises(LmppoError, match="rollout.asynchronous has sampled the next batch already"):
+        toy_trainer(
+            "rollout.samples_per_prompt=2", "rollout.dynamic_sampling=true", "rollout.asynchronous=true"
+        )

@@ -81,6 +81,11 @@ class ValueConfig(Section):
         description="separate = its own network (init_from), shared = a scalar head on the policy's trunk",
     )
     init_from: Literal["reward", "policy"] = Field("reward", description="backbone of a separate critic")
+    path: str | None = Field(
+        None,
+        description="a critic an earlier run saved (its final/value/ or best/value/) to start from, of the "
+        "same mode; null = the policy directory's value/ when it holds one of this mode, else a new critic",
+    )
     lora: LoraConfig = LoraConfig()
 
 
@@ -365,6 +370,17 @@ class RolloutConfig(Section):
         description="environment: the tokens after the prompt per episode at most, actions and context; "
         "null = max_turns x max_new_tokens",
     )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO: drop the groups whose responses all scored the same (a group baseline learns "
+        "nothing from them) and sample more prompts until the batch is full; needs samples_per_prompt >= 2",
+    )
+    dynamic_sampling_rounds: int = Field(
+        3,
+        ge=1,
+        description="dynamic_sampling: extra generation rounds per step at most; a batch still short then "
+        "keeps flat groups (rollout/flat_groups_kept)",
+    )
     forward_batch_size: int | None = Field(None, gt=0, description="micro-batch of the stored passes")
     forward_batch_tokens: int | None = Field(
         None,
@@ -386,6 +402,20 @@ class RolloutConfig(Section):
             raise ValueError(
                 "rollout.asynchronous samples each batch one policy version behind the update, and "
                 f"rollout.max_rollout_age={self.max_rollout_age} allows none; set it to 1 (or leave it unset)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _dynamic_sampling_needs_groups(self) -> RolloutConfig:
+        if self.dynamic_sampling and self.samples_per_prompt < 2:
+            raise ValueError(
+                "rollout.dynamic_sampling drops the groups whose samples all scored the same, and "
+                f"rollout.samples_per_prompt={self.samples_per_prompt} makes groups of one; set it to 2 or more"
+            )
+        if self.dynamic_sampling and self.asynchronous:
+            raise ValueError(
+                "rollout.dynamic_sampling samples again when a batch is short, and rollout.asynchronous has "
+                "sampled the next batch already; set one of them to false"
             )
         return self
 
@@ -969,6 +999,7 @@ OTHER_TRAINERS_KEYS = {
     "lora_target_modules": "models.policy_lora.target_modules",
     "custom_chat_template": "models.policy.chat_template",
     "reward_model_path": "reward.model.path",
+    "critic_pretrain": "models.value.path",  # OpenRLHF's critic to start from
     "reward_pretrain": "reward.model.path",
     "remote_rm_url": "reward.url",
     "score_clip": "reward.clip",
@@ -1000,6 +1031,10 @@ OTHER_TRAINERS_KEYS = {
     "eps_clip": "ppo.clip_eps",
     "clip_ratio": "ppo.clip_eps",
     "clip_ratio_high": "ppo.clip_eps_high",  # verl (DAPO's clip-higher)
+    "clip_ratio_low": "ppo.clip_eps",
+    "clip_eps_low": "ppo.clip_eps",
+    "filter_groups": "rollout.dynamic_sampling",  # verl (DAPO's dynamic sampling)
+    "max_num_gen_batches": "rollout.dynamic_sampling_rounds",
     "eps_clip_high": "ppo.clip_eps_high",
     "cliprange_high": "ppo.clip_eps_high",
     "actor_lambda": "ppo.lam_policy",
@@ -1115,3 +1150,28 @@ def section_of(annotation: Any) -> type[BaseModel] | None:
         if get_origin(candidate) is list:
             return section_of(get_args(candidate)[0])
     return None
+
+
+NO_DEFAULT = object()
+
+
+def schema_default(key: str, schema: type[BaseModel] = Config) -> Any:
+    """The JSON default of the dotted ``key`` (``ppo.lam_policy``), or :data:`NO_DEFAULT` where there is
+    none (an unknown or required key, a key inside a list item or an optional section)."""
+    model: type[BaseModel] | None = schema
+    *sections, name = key.split(".")
+    for part in sections:
+        field = model.model_fields.get(part) if model else None
+        if field is None or field.default is None or get_origin(field.annotation) is list:
+            return NO_DEFAULT
+        model = section_of(field.annotation)
+    field = model.model_fields.get(name) if model else None
+    if field is None or field.is_required():
+        return NO_DEFAULT
+    default = field.get_default(call_default_factory=True)
+    return default.model_dump(mode="json") if isinstance(default, BaseModel) else _json(default)
+
+
+def _json(value: Any) -> Any:
+    """Tuples as lists, as a saved manifest holds them."""
+    return [_json(v) for v in value] if isinstance(value, tuple | list) else value

@@ -9,6 +9,7 @@ more than one section (world size, strategy, engine, critic source, 16-bit train
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -40,6 +41,7 @@ class RoleSpec:
     shares: str | None = None  # the role whose weights this one runs on (LoRA reference, shared critic)
     copy_of: str | None = None  # the role whose starting weights this one copies, cast to ``dtype``
     init_from: str | None = None  # a separate critic's backbone: "policy" or "reward"
+    saved: str | None = None  # a critic an earlier run saved, which this one starts from (its directory)
     shards: int = 1  # ranks FSDP2 splits its weights (and gradients, Adam moments) over
 
     @property
@@ -57,11 +59,13 @@ class RoleSpec:
         lora = f"LoRA r{self.lora.r}" if self.lora else ""
         if self.source is None and self.dtype == "-":
             return "function or URL"
-        if self.shares:
-            return "shared trunk" if self.role == "value" else f"= {self.shares} base"
+        if self.shares and self.role != "value":
+            return f"= {self.shares} base"
         if self.copy_of:
             return "a copy"
-        made = f"from {self.init_from}" if self.init_from else ""
+        made = f"from {self.saved}" if self.saved else f"from {self.init_from}" if self.init_from else ""
+        if self.shares:
+            return ", ".join(filter(None, ["shared trunk", made]))
         offloaded = f"offloaded: {self.offload}" if self.offload != "none" else ""
         return ", ".join(filter(None, [lora, made, offloaded]))
 
@@ -317,10 +321,12 @@ def reward_roles(reward: RewardConfig, precision: str, shards: int = 1) -> tuple
 def value_role(cfg: Config, policy: RoleSpec, rewards: tuple[RoleSpec, ...], shards: int = 1) -> RoleSpec:
     """The critic: an fp32 head on the policy's trunk (sharded with it), or a separate network from the
     policy or the first reward model, all of it trained in fp32 or LoRA on a base in that model's dtype."""
-    v = cfg.models.value
+    v, saved = cfg.models.value, saved_critic(cfg)
     if v.mode == "shared":
-        return RoleSpec("value", None, "float32", "head", shares="policy", shards=shards)
-    if v.init_from == "reward":
+        return RoleSpec("value", None, "float32", "head", shares="policy", saved=saved, shards=shards)
+    if saved:  # its backbone is the saved one, whatever init_from says
+        base = policy
+    elif v.init_from == "reward":
         learned = [r for r in rewards if r.source is not None]
         if not learned:
             raise LmppoError(
@@ -333,8 +339,48 @@ def value_role(cfg: Config, policy: RoleSpec, rewards: tuple[RoleSpec, ...], sha
     lora = v.lora if v.lora.enabled else None
     dtype = base.dtype if lora else "float32"  # what is trained is fp32, also when copied from 16 bits
     return RoleSpec(
-        "value", None, dtype, "lora" if lora else "all", lora, init_from=v.init_from, shards=shards
+        "value",
+        None,
+        dtype,
+        "lora" if lora else "all",
+        lora,
+        init_from=None if saved else v.init_from,
+        saved=saved,
+        shards=shards,
     )
+
+
+CRITIC_RECORD = "value.json"  # marks a directory as a critic lmppo saved (lmppo.modeling.models.save_critic)
+
+
+def saved_critic(cfg: Config) -> str | None:
+    """The saved critic a run starts from: ``models.value.path``, else the policy directory's ``value/``
+    when it holds a critic of this run's mode (a policy lmppo exported brings its critic along)."""
+    v = cfg.models.value
+    if v.path is None:
+        beside = Path(cfg.models.policy.path) / "value"
+        return str(beside) if saved_critic_mode(beside) == v.mode else None
+    mode = saved_critic_mode(Path(v.path))
+    if mode is None:
+        raise LmppoError(
+            f"models.value.path={v.path}: there is no critic saved by lmppo there ({CRITIC_RECORD} is "
+            "missing). Give the value/ directory a run wrote beside its policy (RUN/final/value or "
+            "RUN/best/value), or leave models.value.path out to start a new critic."
+        )
+    if mode != v.mode:
+        raise LmppoError(
+            f"models.value.path={v.path} holds a {mode} critic, and this run's is models.value.mode={v.mode}; "
+            f"set models.value.mode={mode} to start from it, or leave models.value.path out to start a new critic."
+        )
+    return v.path
+
+
+def saved_critic_mode(path: Path) -> str | None:
+    """``shared`` or ``separate`` for a critic lmppo saved at ``path``, else None."""
+    try:
+        return json.loads((path / CRITIC_RECORD).read_text()).get("mode")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -438,7 +484,7 @@ def check_memory_rungs(
             "rollout.asynchronous) receives the policy's weights every step and takes no quantized ones from "
             "lmppo; use synchronous rollouts on rollout.engine=hf with a quantized policy base"
         )
-    if critic and cfg.models.value.mode == "separate":
+    if critic and cfg.models.value.mode == "separate" and saved_critic(cfg) is None:
         base = policy if cfg.models.value.init_from == "policy" else first_reward_model(cfg)
         if base is not None and base.quantize:
             raise LmppoError(

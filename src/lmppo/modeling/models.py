@@ -19,17 +19,20 @@ import platform
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from peft import PeftModel
 from peft.utils import ModulesToSaveWrapper
+from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lmppo.errors import LmppoError
-from lmppo.inputs.resolve import RoleSpec
+from lmppo.inputs.resolve import CRITIC_RECORD, RoleSpec
 from lmppo.modeling.loading import (
+    DTYPES,
     WEIGHT_SUFFIXES,
     ResolvedSource,
     file_sha256,
@@ -185,6 +188,16 @@ class ValueModel(nn.Module):
         backbone.requires_grad_(True)
         return cls(backbone, _zero_head(backbone, causal_lm.config.hidden_size))
 
+    @classmethod
+    def from_saved(cls, saved: str, dtype: torch.dtype = torch.float32) -> ValueModel:
+        """A separate critic an earlier run saved (:func:`save_critic`): its backbone (in ``dtype``) and head,
+        trainable."""
+        backbone = AutoModel.from_pretrained(saved, dtype=dtype, local_files_only=True)
+        weights = load_file(Path(saved) / HEAD_FILE)
+        head = nn.Linear(weights["weight"].shape[-1], 1, bias="bias" in weights)
+        _load_head(head, saved)
+        return cls(backbone.requires_grad_(True), head)
+
     def with_lora(self, lora) -> ValueModel:
         """LoRA adapters (a :class:`lmppo.inputs.config.LoraConfig`) on a separate critic's backbone; the head
         stays trained in full. A critic on the policy's trunk gets LoRA through the policy."""
@@ -209,13 +222,63 @@ def make_value_model(role: RoleSpec, policy: nn.Module, reward_model: nn.Module 
     or a copy of the policy's or ``reward_model``'s network with its LoRA adapters. What is trained is fp32
     master weights, also when copied from a 16-bit frozen model."""
     if role.shares:
-        return ValueModel.shared_trunk(policy)
-    if role.init_from == "reward":
+        value = ValueModel.shared_trunk(policy)
+        if role.saved:
+            _load_head(value.head, role.saved)
+        return value
+    if role.saved:
+        value = ValueModel.from_saved(role.saved, DTYPES[role.dtype])
+    elif role.init_from == "reward":
         value = ValueModel.from_reward_model(reward_model)
     else:
         value = ValueModel.from_causal_lm(policy)
     (value.head if role.lora is not None else value).float()
     return value.with_lora(role.lora)
+
+
+HEAD_FILE = "value_head.safetensors"
+
+
+def save_critic(
+    out_dir: Path, head: dict[str, torch.Tensor], backbone: nn.Module | None, record: dict
+) -> Path:
+    """A trained critic as a directory a later run starts from (``models.value.path``): the head's weights,
+    the record that marks it (its mode, hidden size and ``record``: step, run) and, for a separate critic,
+    its backbone as a transformers model with any LoRA adapters folded in. A shared critic's trunk is the
+    policy saved beside it, so it is the head alone."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if backbone is not None:
+        if isinstance(backbone, PeftModel):
+            backbone = backbone.merge_and_unload()
+        backbone.save_pretrained(out_dir)
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in head.items()}, out_dir / HEAD_FILE)
+    mode = "separate" if backbone is not None else "shared"
+    hidden_size = head["weight"].shape[-1]
+    (out_dir / CRITIC_RECORD).write_text(
+        json.dumps({"mode": mode, "hidden_size": hidden_size, **record}, indent=2) + "\n"
+    )
+    return out_dir
+
+
+def saved_critic_identity(saved: str) -> dict:
+    """Where a saved critic is, its record and the hashes of its weight files (head, and backbone)."""
+    files = sorted(p for p in Path(saved).iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    record = json.loads((Path(saved) / CRITIC_RECORD).read_text())
+    return {"path": saved, **record, "sha256": {p.name: file_sha256(p) for p in files}}
+
+
+def _load_head(head: nn.Linear, saved: str) -> None:
+    """The saved critic's head weights into ``head``; a trunk of another width is named, not a traceback."""
+    weights = load_file(Path(saved) / HEAD_FILE)
+    if weights["weight"].shape != head.weight.shape or ("bias" in weights) != (head.bias is not None):
+        raise LmppoError(
+            f"the critic saved in {saved} has a head for hidden size {weights['weight'].shape[-1]}, and this "
+            f"run's trunk has {head.in_features}: it was trained on another model. Start a new critic "
+            "(leave models.value.path out) or start from that critic's policy."
+        )
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            getattr(head, name).copy_(tensor)
 
 
 def _score_head(reward_model: PreTrainedModel) -> nn.Module:

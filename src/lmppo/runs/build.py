@@ -41,6 +41,7 @@ from lmppo.modeling.models import (
     enable_gradient_checkpointing,
     make_value_model,
     model_identity,
+    saved_critic_identity,
     trainable_parameters,
 )
 from lmppo.modeling.quantize import offload
@@ -246,6 +247,9 @@ def load_models(cfg: Config, spec: RunSpec) -> PPOModels:
             shared_with = "policy" if value.shared_trunk else None
             identities["value"] = model_identity("value", value, shared_with=shared_with).to_dict()
             identities["value"]["init_from"] = spec.value.init_from or "policy"
+            if spec.value.saved:  # started from a critic an earlier run saved
+                identities["value"]["init_from"] = "saved"
+                identities["value"]["saved"] = saved_critic_identity(spec.value.saved)
     return PPOModels(policy, reference, value, tokenizer, reward.reward, identities)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import resource
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from rich.console import Group
@@ -265,12 +265,15 @@ def model_rows(cfg: Config, spec: RunSpec) -> tuple[list[ModelRow], dict[str, Sh
 
     if spec.value is None:  # a critic-free estimator: no row, no memory
         return rows, shapes, max(conversions)
-    value = make_value_model(spec.value, policy, first_reward_model)
-    if spec.value.shares:  # the head alone is the critic's own
-        rows.append(_row(spec.value, *_counts(value.head)))
-    else:
+    sized = replace(spec.value, saved=None)  # sized on meta models: no saved weights read
+    if spec.value.saved and not spec.value.shares:  # a saved separate critic: its own backbone
+        saved_config = load_model_config(spec.value.saved)
+        sized = replace(sized, init_from="policy")
+        policy, shapes["value"] = _meta_model(saved_config), Shape.of(saved_config)
+    elif not spec.value.shares:
         shapes["value"] = first_reward_shape if spec.value.init_from == "reward" else shapes["policy"]
-        rows.append(_row(spec.value, *_counts(value)))
+    value = make_value_model(sized, policy, first_reward_model)
+    rows.append(_row(spec.value, *_counts(value.head if spec.value.shares else value)))
     return rows, shapes, max(conversions)
 
 

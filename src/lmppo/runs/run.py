@@ -12,13 +12,9 @@ import os
 import random
 import signal
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import torch
-from peft import PeftModel
-from torch import nn
-from transformers import GenerationConfig
 
 from lmppo.errors import GuardAbort, Interrupted, LmppoError, console, warn, with_context
 from lmppo.inputs.config import Config, load_config
@@ -32,31 +28,26 @@ from lmppo.inputs.data import (
 from lmppo.inputs.resolve import (
     RunSpec,
     check_batches,
-    policy_role,
     resolve,
     resolve_device,
-    resolve_estimator,
 )
 from lmppo.modeling.distributed import (
     DistInfo,
     any_rank,
     barrier,
     distributed_session,
-    full_tensor,
     gathered,
     rank_seed,
     seed_everything,
-    whole_group,
 )
 from lmppo.modeling.models import PPOModels, keep_freed_heap_memory
 from lmppo.progress import ProgressDisplay, advance, phase
-from lmppo.runs.build import build_trainer, load_models, load_policy
+from lmppo.runs.build import build_trainer, load_models
 from lmppo.runs.checkpoint import (
     CHECKPOINTS_DIR,
     MANIFEST_FILE,
     Checkpoint,
     RunDirLock,
-    best_checkpoint,
     check_compatible,
     last_good_checkpoint,
     latest_checkpoint,
@@ -65,6 +56,7 @@ from lmppo.runs.checkpoint import (
 )
 from lmppo.runs.diagnose import LiveDiagnosis
 from lmppo.runs.evaluate import run_evaluator
+from lmppo.runs.export import export_best, export_critic, export_final, whole_policy
 from lmppo.runs.guards import Guards, held_out_score
 from lmppo.runs.plan import MemoryPlan, check_plan
 from lmppo.runs.preflight import Preflight, run_preflight, summary_line, write_preflight_json
@@ -507,12 +499,15 @@ class PPORun:
 
     def finish(self, improved: bool) -> Path:
         """The last checkpoint, ``final/`` and (when an earlier step was better held out) ``best/``."""
-        self.save("ok" if self.guards.healthy else "unhealthy", is_best=improved)
+        last = self.save("ok" if self.guards.healthy else "unhealthy", is_best=improved)
         cfg, models, is_main = self.cfg, self.models, self.dist_info.is_main
         policy = whole_policy(cfg, self.spec, models, is_main) if self.spec.sharded else models.policy
         if is_main:
             with phase("exporting the final policy"):
                 export_final(self.run_dir / "final", policy, models.tokenizer, cfg)
+            if self.spec.value is not None:
+                with phase("exporting the critic"):
+                    export_critic(self.run_dir / "final" / "value", self.spec, load_checkpoint(last))
             if self.best and self.best["step"] != self.trainer.step_count:  # the held-out best is earlier
                 self.export_best()
             self.progress.note(finish_note(self.run_dir, self.best, self.trainer.step_count))
@@ -637,110 +632,3 @@ def ptx_batches(
         return {k: v.to(device) for k, v in batch.items()}
 
     return next_batch
-
-
-def plain_policy(spec: RunSpec, weights: dict[str, torch.Tensor], source: str) -> nn.Module:
-    """The starting policy built afresh on the CPU with ``weights`` (all of them, or the trained ones)
-    loaded over it; ``source`` names where they come from in an error."""
-    policy = load_policy(spec.policy)
-    unexpected = policy.load_state_dict(
-        {k: v.cpu() for k, v in weights.items()}, strict=False
-    ).unexpected_keys
-    if unexpected:
-        raise LmppoError(f"{source} holds policy weights this model does not have: {unexpected[:3]}")
-    return policy
-
-
-def whole_policy(cfg: Config, spec: RunSpec, models: PPOModels, is_main: bool) -> nn.Module | None:
-    """An FSDP2-sharded policy's weights gathered whole into a plain copy on rank 0's CPU (every rank
-    takes part in the gathering; the others get None)."""
-    state = {name: full_tensor(tensor) for name, tensor in models.policy.state_dict().items()}
-    return plain_policy(spec, state, "the sharded policy") if is_main else None
-
-
-def checkpointed_policy(spec: RunSpec, path: Path) -> nn.Module:
-    """A plain copy of the policy with the trained weights the checkpoint at ``path`` holds (whole, or
-    put together from a sharded checkpoint's per-rank files), on the CPU."""
-    saved = load_checkpoint(path)
-    weights = whole_group(saved.tensors, "policy", saved.state.get("sharded_ranks"))
-    return plain_policy(spec, weights, f"checkpoint {path}")
-
-
-def export_best(run_dir: Path, best: dict, cfg: Config, spec: RunSpec, tokenizer) -> Path:
-    """``best/``: the policy of the step with the best held-out score (``best``: its step, metric and
-    score), from its checkpoint."""
-    policy = checkpointed_policy(spec, best_checkpoint(run_dir))
-    held_out = f"the best {best['metric']} on the held-out prompts ({best['score']:.4g})"
-    return export_final(run_dir / "best", policy, tokenizer, cfg, f"step {best['step']}: {held_out}")
-
-
-def reward_summary(cfg: Config) -> str:
-    """The reward as the model card states it: each source, its weight and its preprocessing."""
-    parts = []
-    for c in cfg.reward.sources():
-        source = c.model.path if c.model else f"the server {c.url}" if c.url else f"the function {c.function}"
-        weight = f"{c.name}: {c.weight:g} x " if cfg.reward.components else ""
-        preprocessing = f"missing-EOS penalty {c.missing_eos_penalty}, clip {c.clip}, normalize {c.normalize}"
-        parts.append(f"{weight}{source} (preprocessing: {preprocessing})")
-    gate = cfg.reward.gate
-    gated = f"; rows with {gate.component} below {gate.below:g} get {gate.component} alone" if gate else ""
-    return " + ".join(parts) + gated
-
-
-def dequantized(policy: PeftModel, cfg: Config) -> PeftModel:
-    """A QLoRA policy's adapters on its base loaded again unquantized, so the saved model is the base's own
-    weights plus the adapters' update (a quantized base would round that update away); any other policy
-    as it is."""
-    if not cfg.models.policy.quantize:
-        return policy
-    role = policy_role(cfg, "fp32")
-    plain = load_policy(replace(role, source=role.source.model_copy(update={"quantize": None})))
-    adapters = {name: p.detach().cpu() for name, p in policy.named_parameters() if p.requires_grad}
-    plain.load_state_dict(adapters, strict=False)
-    return plain
-
-
-def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config, which: str = "") -> Path:
-    """The trained policy as a plain transformers directory, with our decoding settings and a model card;
-    ``which`` says which of the run's policies it is when not the last (``best/``)."""
-    if isinstance(policy, PeftModel):
-        policy = dequantized(policy, cfg).merge_and_unload()  # training is over: fold the adapter in
-    policy.generation_config = GenerationConfig(
-        do_sample=True,
-        temperature=cfg.rollout.temperature,
-        top_k=cfg.rollout.top_k,
-        top_p=cfg.rollout.top_p,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        eos_token_id=sorted({*cfg.rollout.stop_token_ids, tokenizer.eos_token_id} - {None}),
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    policy.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    reward = reward_summary(cfg)
-    kl = (
-        f"adaptive, target {cfg.kl.target} nats, horizon {cfg.kl.horizon}"
-        if cfg.kl.adaptive
-        else f"fixed beta = {cfg.kl.beta}"
-    )
-    which = (
-        f"- This is the policy after {which}; the run's last policy (if it finished) is in `final/`\n"
-        if which
-        else ""
-    )
-    lams = resolve_estimator(cfg)
-    lam = lams.lam_critic
-    if lams.lam_policy != lams.lam_critic:  # decoupled (VC-PPO), or VAPO's length-adaptive one
-        lam = f"{'length-adaptive' if lams.lam_policy is None else lams.lam_policy} / {lam} (policy / critic)"
-    (out_dir / "README.md").write_text(
-        f"# PPO policy trained with lmppo\n\n"
-        f"- Started from: `{cfg.models.policy.path}` (reference: the starting weights)\n"
-        f"{which}"
-        f"- Reward: {reward}\n"
-        f"- KL: {cfg.kl.estimator} estimator per token in the reward, {kl}\n"
-        f"- PPO: {cfg.run.steps} steps of {cfg.rollout.batch_size} prompts, {cfg.ppo.ppo_epochs} epochs, "
-        f"clip {cfg.ppo.clip_eps}, gamma {cfg.ppo.gamma}, lambda {lam}, lr {cfg.ppo.lr}\n"
-        f"- Decoding it was trained with (in generation_config.json): temperature {cfg.rollout.temperature}, "
-        f"top_k {cfg.rollout.top_k}, top_p {cfg.rollout.top_p}, max_new_tokens {cfg.rollout.max_new_tokens}\n\n"
-        "The evaluated artifact is these weights *with* that decoding and that reward preprocessing.\n"
-    )
-    return out_dir

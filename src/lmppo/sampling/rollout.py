@@ -73,6 +73,7 @@ class Rollout:
     tool_failures: torch.Tensor | None = None  # (B,) long: of those, the calls it answered with an error
     transcripts: list | None = None  # per episode: its text in runs of (text, is_action), for reading
     environment_s: float = 0.0  # seconds the environments took to reset and step
+    reward_raw: list | None = None  # per row, each reward component's raw score, when sampling scored it
 
     def __len__(self) -> int:
         return self.query_ids.shape[0]

@@ -61,6 +61,11 @@ METRIC_NAMES: dict[str, str] = {
     "adv/mean": "mean advantage over response tokens, before whitening",
     "adv/std": "standard deviation of the advantages over response tokens, before whitening",
     "adv/flat_group_frac": "group baselines: share of prompts whose samples all scored alike (zero advantage)",
+    "rollout/signal_groups": "rollout.dynamic_sampling: groups sampled this step whose samples scored differently",
+    "rollout/flat_groups_dropped": "rollout.dynamic_sampling: groups that all scored alike, set aside and replaced",
+    "rollout/flat_groups_kept": "rollout.dynamic_sampling: flat groups that filled a batch still short after "
+    "the last extra round",
+    "rollout/extra_rounds": "rollout.dynamic_sampling: generation rounds beyond the first this step",
     "response/length": "mean number of response tokens (up to and including the first EOS); in an episode, the "
     "policy's own tokens over all its turns",
     "response/eos_frac": "fraction of responses that ended with EOS",

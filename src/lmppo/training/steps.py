@@ -16,6 +16,7 @@ work.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from lmppo.inputs.resolve import RunSpec
 from lmppo.math import core
 from lmppo.modeling.distributed import (
     CommCounter,
+    all_sum,
     failing_together,
     full_tensor,
     gathered,
@@ -40,7 +42,7 @@ from lmppo.progress import phase
 from lmppo.rewards.scoring import CombinedReward
 from lmppo.sampling.engines import Generator, RolloutsAhead
 from lmppo.sampling.passes import sequence_logprobs, value_predictions
-from lmppo.sampling.rollout import Rollout, ScoredRollout
+from lmppo.sampling.rollout import Rollout, ScoredRollout, concat_rollouts
 from lmppo.training.metrics import timed
 from lmppo.training.step_results import Scores, UpdateResult, scored_metrics, step_metrics
 
@@ -82,6 +84,7 @@ class Stepper:
         self.policy_version = 0  # steps that changed the policy; each rollout records the one it saw
         self.episodes = 0  # responses generated (all ranks)
         self.tokens = 0  # response tokens generated (all ranks)
+        self.sampling_metrics: dict[str, float] = {}  # rollout.dynamic_sampling's counts of this step
         # rollout.asynchronous: the next batch samples on a worker thread while this one is updated on
         self.ahead = (
             RolloutsAhead(self.generator, self.prompt_stream, self.autocast)
@@ -122,10 +125,9 @@ class Stepper:
         rollout = self.ahead.take() if self.ahead is not None else None
         for _ in range(3):
             if rollout is None or self.policy_version - rollout.policy_version > max_age:
-                batch = self.prompt_stream.next_samples()
-                rollout = self.generator.generate(
-                    batch.prompts, self.policy_version, batch.sample_ids, batch.rows
-                )
+                rollout = self.generate_next()
+                if self.cfg.rollout.dynamic_sampling:
+                    rollout = self.with_signal(rollout)
             if self.policy_version - rollout.policy_version <= max_age:
                 if self.ahead is not None:
                     self.ahead.start_next(self.policy_version)
@@ -134,6 +136,49 @@ class Stepper:
             f"the generator keeps returning rollouts {self.policy_version - rollout.policy_version} policy "
             f"versions old (rollout.max_rollout_age={max_age}); check that it syncs the policy weights"
         )
+
+    def generate_next(self) -> Rollout:
+        """The current policy's responses to the stream's next batch of prompts."""
+        batch = self.prompt_stream.next_samples()
+        return self.generator.generate(batch.prompts, self.policy_version, batch.sample_ids, batch.rows)
+
+    def with_signal(self, rollout: Rollout) -> Rollout:
+        """DAPO's dynamic sampling: groups whose samples all scored the same are set aside and more prompts
+        are sampled, ``rollout.dynamic_sampling_rounds`` extra rounds at most, until every rank has a full
+        share of groups with a signal (the ranks decide together: they sample in step). A batch still short
+        takes set-aside groups. The rows keep their raw scores, so scoring does not score them again."""
+        n, share = self.cfg.rollout.samples_per_prompt, len(rollout)
+        kept, flat, rounds = [], [], 0
+        while True:
+            rollout = dataclasses.replace(rollout, reward_raw=self._raw_scores(rollout).tolist())
+            is_flat = core.flat_groups(torch.tensor(rollout.reward_raw).sum(1), n)
+            kept.append(rollout.select(~is_flat))
+            flat.append(rollout.select(is_flat))
+            missing = max(share - sum(map(len, kept)), 0)
+            if rounds == self.cfg.rollout.dynamic_sampling_rounds or not all_sum(
+                torch.tensor(missing), self.group
+            ):
+                break
+            rounds, rollout = rounds + 1, self.generate_next()
+        counts = torch.tensor([sum(map(len, flat)), sum(map(len, kept)), min(missing, sum(map(len, flat)))])
+        flat_rows, signal_rows, flat_kept = (all_sum(counts.float(), self.group) / n).tolist()
+        self.sampling_metrics = {
+            "rollout/flat_groups_dropped": flat_rows - flat_kept,
+            "rollout/flat_groups_kept": flat_kept,
+            "rollout/signal_groups": signal_rows,
+            "rollout/extra_rounds": float(rounds),
+        }
+        return concat_rollouts(kept + flat).select(slice(0, share))
+
+    def _raw_scores(self, rollout: Rollout) -> torch.Tensor:
+        """(B, C) each reward component's raw score of the rollout's responses (sampling may have scored
+        them already)."""
+        if rollout.reward_raw is not None:
+            return torch.tensor(rollout.reward_raw)
+        with self.autocast(), gathered(*self.models.reward_models):
+            with failing_together(self.group):  # a reward function failing on one rank stops every rank
+                raw = self.reward.raw_scores(rollout.prompts, rollout.response_texts)
+        return torch.stack([raw[c.name].float().cpu() for c in self.reward.components], dim=1)
 
     # ----------------------------------------------------------------------------------------------
     # 2. Score
@@ -144,9 +189,8 @@ class Stepper:
         """The reward, the reference's log-probs, values and the trainer's own log-probs (module docstring);
         the scored record and the reward side's metrics."""
         mask, stored_pass, seconds = rollout.action_mask, self.stored_pass_batching, {}
-        with timed(seconds, "perf/reward_s"), self.autocast(), gathered(*self.models.reward_models):
-            with failing_together(self.group):  # a reward function failing on one rank stops every rank
-                raw = self.reward.raw_scores(rollout.prompts, rollout.response_texts)
+        with timed(seconds, "perf/reward_s"):
+            raw = dict(zip([c.name for c in self.reward.components], self._raw_scores(rollout).unbind(1)))
         rm_score_raw = self.reward.weighted(raw).to(mask.device)
         rm_score, component_rows, transform_stats = self.reward.shape(
             raw, rollout.terminated.to(mask.device), self.group
@@ -261,6 +305,7 @@ class Stepper:
         if self.comm_counter is not None:
             metrics.update(self.comm_counter.take())
         metrics["perf/trained_state_mb"] = trained_state_bytes(self.optimizer) / 2**20
+        metrics.update(self.sampling_metrics)
         return metrics
 
     def sync_generator(self, seconds: dict[str, float] | None = None) -> None:
