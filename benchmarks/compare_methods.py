@@ -43,8 +43,31 @@ def best_of(k: int) -> list[str]:
             "run.steps=5", "run.eval_every=1", "ppo.minibatch_size=16"]  # fmt: skip
 
 
+VALUE_PRETRAINING = ["ppo.critic_warmup_steps=5", "ppo.lam_critic=1.0"]  # VC-PPO: 5 of the 40 steps
+DECOUPLED_LAM = ["ppo.lam_critic=1.0", "ppo.lam_policy=0.95"]  # VC-PPO's pair; ppo.lam is 0.95 too
+CLIP_HIGHER = ["ppo.clip_eps_high=0.28"]  # DAPO's 0.2 / 0.28
+
 METHODS: dict[str, list[str]] = {
     "PPO": [],
+    "PPO + value pretraining": VALUE_PRETRAINING,
+    "PPO + decoupled λ": DECOUPLED_LAM,
+    "PPO + both + clip-higher": [*VALUE_PRETRAINING, "ppo.lam_policy=0.95", *CLIP_HIGHER],
+    "GRPO + dynamic sampling + clip-higher": [
+        "ppo.advantage=grpo",
+        *GROUPS,
+        "rollout.dynamic_sampling=true",
+        *CLIP_HIGHER,
+    ],
+    "GSPO": [
+        "ppo.advantage=grpo",
+        *GROUPS,
+        "ppo.ratio_level=sequence",
+        "ppo.clip_eps=3e-4",
+        "ppo.clip_eps_high=4e-4",
+        "ppo.loss_aggregation=sequence_mean",
+        "guards.clip_frac_max=null",  # a clipped sequence clips all its tokens: GSPO's token share is high
+    ],
+    "Lite PPO": ["ppo.advantage=reinforce_pp_baseline", *GROUPS],
     "GRPO": ["ppo.advantage=grpo", *GROUPS],
     "Dr. GRPO": ["ppo.advantage=dr_grpo", *GROUPS],
     "RLOO": ["ppo.advantage=rloo", *GROUPS],
@@ -76,6 +99,8 @@ def figures(out: Path, seed: int, overrides: list[str], models_from: Path | None
     return {
         **result,
         "tokens": sum(r["response/length"] * responses for r in trained),
+        # dynamic sampling generates whole extra batches, of which the steps keep some
+        "sampled": sum(responses * (1 + r.get("rollout/extra_rounds", 0)) for r in trained),
         "train_s": sum(r["perf/step_s"] for r in trained),  # the steps alone: no evaluation, no SFT/RM stages
         "peak_rss_mb": max(r["perf/peak_rss_mb"] for r in trained),
     }
@@ -100,6 +125,7 @@ COLUMNS = [
     ("KL", "kl", 1),
     ("ppl ×", "ppl_ratio", 2),
     ("tokens", "tokens", 0),
+    ("responses sampled", "sampled", 0),
     ("train s", "train_s", 0),
     ("peak RSS MB", "peak_rss_mb", 0),
 ]
