@@ -65,7 +65,9 @@ LORA = {"enabled": True, "r": 16, "alpha": 32, "target_modules": "all-linear"}
 LORA_PEFT = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}  # the same adapter, for TRL
 # The real model's row: SmolLM2-135M-Instruct, a LoRA policy (reference = adapter disabled), a separate
 # critic trained in full; responses stop at <|im_end|>. Its settings are fixed, not --epochs/--response-length.
-REAL = {"smollm2": {"response_length": 48, "epochs": 2, "minibatches": 2, "steps": 2, "repeats": 1}}
+# The real row: 1 warm-up + 3 timed steps in each of 2 processes per implementation, alternating (one
+# timed step per process, as before, let a single slow step decide TRL's figure)
+REAL = {"smollm2": {"response_length": 48, "epochs": 2, "minibatches": 2, "steps": 3, "repeats": 2}}
 TINY = {"steps": 4, "repeats": 2}  # the tiny rows' defaults; --steps / --repeats override both
 VARIANTS = {  # lmppo set-ups that change the models: their own rows, never in the matched comparison
     "lmppo-shared": {"models": {"value": {"mode": "shared"}}},  # value head on the policy's trunk
@@ -89,7 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="prompts per PPO step")
     p.add_argument("--response-length", type=int, default=32, help="new tokens per response")
     p.add_argument("--epochs", type=int, default=4, help="PPO epochs per step (one minibatch each)")
-    p.add_argument("--steps", type=int, help="timed steps per repetition (default: 4 tiny, 2 real)")
+    p.add_argument("--steps", type=int, help="timed steps per repetition (default: 4 tiny, 3 real)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first in each repetition")
     p.add_argument("--repeats", type=int, help="repetitions per implementation, alternating (2 tiny, 1 real)")
     p.add_argument("--impls", default="lmppo,trl", help="lmppo and/or trl (trl is skipped if not installed)")
@@ -648,7 +650,7 @@ def print_table(results: dict[str, dict]) -> None:
     ``x TRL`` is per prompt (both run 16 a step), ``x/tok`` per generated token (lengths differ when
     responses stop at EOS)."""
     head = (
-        f"{'size':<8} {'impl':<12} {'s/step':>7} {'x TRL':>6} {'x/tok':>6} {'ms/tok':>7} {'floor s':>7} "
+        f"{'size':<8} {'impl':<12} {'s/step':>7} {'min-max':>13} {'x TRL':>6} {'x/tok':>6} {'ms/tok':>7} {'floor s':>7} "
         f"{'/floor':>6} {'1st step':>8} {'gen tok/s':>9} {'train GF/s':>10} {'%peak':>5} {'RSS MB':>7} | "
         + " ".join(f"{p[:7]:>7}" for p in PHASES)
     )
@@ -661,8 +663,11 @@ def print_table(results: dict[str, dict]) -> None:
             ours = impl == "lmppo" and "speedup" in result
             speedup = f"{result['speedup']:.2f}" if ours else ""
             per_token = f"{result['speedup_per_token']:.2f}" if ours else ""
+            spread = "{:.2f}-{:.2f}".format(
+                *r["seconds_per_step_min_max"]
+            )  # every timed step's, all processes
             print(
-                f"{size:<8} {impl:<12} {r['seconds_per_step']:>7.3f} {speedup:>6} {per_token:>6} "
+                f"{size:<8} {impl:<12} {r['seconds_per_step']:>7.3f} {spread:>13} {speedup:>6} {per_token:>6} "
                 f"{r['ms_per_generated_token']:>7.1f} {r['flop_floor_s']:>7.2f} {r['step_over_floor']:>6.2f} "
                 f"{r['first_step_seconds']:>8.2f} {r['generation_tokens_per_second']:>9.0f} "
                 f"{r['train_gflops']:>10.1f} {100 * r['train_peak_fraction']:>5.0f} {r['peak_rss_mb']:>7.0f} | "

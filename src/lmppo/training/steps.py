@@ -149,9 +149,10 @@ class Stepper:
         takes set-aside groups. The rows keep their raw scores, so scoring does not score them again."""
         n, share = self.cfg.rollout.samples_per_prompt, len(rollout)
         kept, flat, rounds = [], [], 0
+        weights = torch.tensor([float(c.weight) for c in self.reward.components])
         while True:
             rollout = dataclasses.replace(rollout, reward_raw=self._raw_scores(rollout).tolist())
-            is_flat = core.flat_groups(torch.tensor(rollout.reward_raw).sum(1), n)
+            is_flat = core.flat_groups(torch.tensor(rollout.reward_raw) @ weights, n)  # the weighted score
             kept.append(rollout.select(~is_flat))
             flat.append(rollout.select(is_flat))
             missing = max(share - sum(map(len, kept)), 0)
