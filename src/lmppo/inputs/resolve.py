@@ -136,7 +136,7 @@ def resolve(
     policy = policy_role(cfg, precision, trained_shards)
     rewards = reward_roles(cfg.reward, precision, frozen_shards)
     estimator = resolve_estimator(cfg)
-    check_memory_rungs(cfg, device, trained_shards, frozen_shards, estimator.critic)
+    check_memory_rungs(cfg, device, trained_shards, frozen_shards)
     return RunSpec(
         device=device,
         precision=precision,
@@ -336,6 +336,12 @@ def value_role(cfg: Config, policy: RoleSpec, rewards: tuple[RoleSpec, ...], sha
         base = learned[0]
     else:
         base = policy
+    if not saved and base.quantize:
+        raise LmppoError(
+            f"models.value.init_from={v.init_from} copies a quantized model into the trained critic; use "
+            "models.value.mode=shared (a head on the policy's trunk), init the critic from the other model, "
+            "or a critic-free ppo.advantage"
+        )
     lora = v.lora if v.lora.enabled else None
     dtype = base.dtype if lora else "float32"  # what is trained is fp32, also when copied from 16 bits
     return RoleSpec(
@@ -451,11 +457,10 @@ def frozen_sections(cfg: Config) -> list[tuple[str, ModelSource]]:
     return [(key, section) for key, section in sections if section is not None]
 
 
-def check_memory_rungs(
-    cfg: Config, device: torch.device, trained_shards: int, frozen_shards: int, critic: bool
-):
+def check_memory_rungs(cfg: Config, device: torch.device, trained_shards: int, frozen_shards: int):
     """Quantized and offloaded models where they can be: quantized weights are frozen and whole (no FSDP2
-    shards, no vLLM copy, no trained critic copied from them); offloading is for a CUDA device."""
+    shards, no vLLM copy; :func:`value_role` refuses a critic copied from them); offloading is for a CUDA
+    device."""
     policy = cfg.models.policy
     if policy.quantize and not cfg.models.policy_lora.enabled:
         raise LmppoError(
@@ -484,14 +489,6 @@ def check_memory_rungs(
             "rollout.asynchronous) receives the policy's weights every step and takes no quantized ones from "
             "lmppo; use synchronous rollouts on rollout.engine=hf with a quantized policy base"
         )
-    if critic and cfg.models.value.mode == "separate" and saved_critic(cfg) is None:
-        base = policy if cfg.models.value.init_from == "policy" else first_reward_model(cfg)
-        if base is not None and base.quantize:
-            raise LmppoError(
-                f"models.value.init_from={cfg.models.value.init_from} copies a quantized model into the trained "
-                "critic; use models.value.mode=shared (a head on the policy's trunk), init the critic from the "
-                "other model, or a critic-free ppo.advantage"
-            )
     offloaded = [f"{key}.offload" for key, s in frozen_sections(cfg) if s.offload != "none"]
     if offloaded and device.type != "cuda":
         raise LmppoError(
@@ -503,11 +500,6 @@ def check_memory_rungs(
             f"{', '.join(offloaded)}: under FSDP2 the models are split over the ranks instead; offload in "
             "a DDP or single-process run, or remove the key"
         )
-
-
-def first_reward_model(cfg: Config) -> ModelSource | None:
-    """The first reward model's section (a separate critic's backbone with init_from=reward)."""
-    return next((s.model for s in cfg.reward.sources() if s.model is not None), None)
 
 
 def check_engine(cfg: Config) -> None:

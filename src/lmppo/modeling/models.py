@@ -195,7 +195,7 @@ class ValueModel(nn.Module):
         backbone = AutoModel.from_pretrained(saved, dtype=dtype, local_files_only=True)
         weights = load_file(Path(saved) / HEAD_FILE)
         head = nn.Linear(weights["weight"].shape[-1], 1, bias="bias" in weights)
-        _load_head(head, saved)
+        head.load_state_dict(weights)
         return cls(backbone.requires_grad_(True), head)
 
     def with_lora(self, lora) -> ValueModel:

@@ -25,13 +25,18 @@ from lmppo.runs.checkpoint import Checkpoint, best_checkpoint, load_checkpoint
 def plain_policy(spec: RunSpec, weights: dict[str, torch.Tensor], source: str) -> nn.Module:
     """The starting policy built afresh on the CPU with ``weights`` (all of them, or the trained ones)
     loaded over it; ``source`` names where they come from in an error."""
-    policy = load_policy(spec.policy)
-    unexpected = policy.load_state_dict(
+    return loaded_over(load_policy(spec.policy), weights, f"{source} holds policy weights")
+
+
+def loaded_over(module: nn.Module, weights: dict[str, torch.Tensor], holder: str) -> nn.Module:
+    """``module`` with ``weights`` (all of its own, or the trained ones) loaded over it on the CPU; a weight
+    it lacks is an error naming ``holder``."""
+    unexpected = module.load_state_dict(
         {k: v.cpu() for k, v in weights.items()}, strict=False
     ).unexpected_keys
     if unexpected:
-        raise LmppoError(f"{source} holds policy weights this model does not have: {unexpected[:3]}")
-    return policy
+        raise LmppoError(f"{holder} this model does not have: {unexpected[:3]}")
+    return module
 
 
 def whole_policy(cfg: Config, spec: RunSpec, models: PPOModels, is_main: bool) -> nn.Module | None:
@@ -65,14 +70,7 @@ def export_critic(out_dir: Path, spec: RunSpec, saved: Checkpoint) -> Path:
     record = {"step": saved.state["step"], "checkpoint": str(saved.path)}
     if spec.value.shares:  # the trunk is the policy exported beside it: the head is all of its own
         return save_critic(out_dir, {k.removeprefix("head."): v for k, v in weights.items()}, None, record)
-    critic = starting_critic(spec)
-    unexpected = critic.load_state_dict(
-        {k: v.cpu() for k, v in weights.items()}, strict=False
-    ).unexpected_keys
-    if unexpected:
-        raise LmppoError(
-            f"checkpoint {saved.path} holds critic weights this critic does not have: {unexpected[:3]}"
-        )
+    critic = loaded_over(starting_critic(spec), weights, f"checkpoint {saved.path} holds critic weights")
     return save_critic(out_dir, critic.head.state_dict(), critic.backbone, record)
 
 

@@ -265,14 +265,14 @@ def model_rows(cfg: Config, spec: RunSpec) -> tuple[list[ModelRow], dict[str, Sh
 
     if spec.value is None:  # a critic-free estimator: no row, no memory
         return rows, shapes, max(conversions)
-    sized = replace(spec.value, saved=None)  # sized on meta models: no saved weights read
-    if spec.value.saved and not spec.value.shares:  # a saved separate critic: its own backbone
+    sized, backbone_of = replace(spec.value, saved=None), policy  # on meta models: no saved weights read
+    if spec.value.saved and not spec.value.shares:  # a saved separate critic: a backbone of its own shape
         saved_config = load_model_config(spec.value.saved)
-        sized = replace(sized, init_from="policy")
-        policy, shapes["value"] = _meta_model(saved_config), Shape.of(saved_config)
+        sized, backbone_of = replace(sized, init_from="policy"), _meta_model(saved_config)
+        shapes["value"] = Shape.of(saved_config)
     elif not spec.value.shares:
         shapes["value"] = first_reward_shape if spec.value.init_from == "reward" else shapes["policy"]
-    value = make_value_model(sized, policy, first_reward_model)
+    value = make_value_model(sized, backbone_of, first_reward_model)
     rows.append(_row(spec.value, *_counts(value.head if spec.value.shares else value)))
     return rows, shapes, max(conversions)
 
