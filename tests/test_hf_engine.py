@@ -282,3 +282,26 @@ def test_the_prefill_projects_contiguous_rows_onto_the_vocabulary(policy_tokeniz
     hook.remove()
     assert len(inputs) >= 2 and inputs[0].shape[1] == 1
     assert all(x.is_contiguous() for x in inputs)
+
+
+def test_decode_batches_within_a_token_budget_sample_each_row_as_a_batch_of_its_own(
+    policy_tokenizer, policy_model
+):
+    """rollout.generation_batch_tokens: a budget of one row's cache per batch; each row seeded by its own
+    sample gets what generating it alone gets, and the batches join padded (values included)."""
+    value_model = ValueModel.shared_trunk(policy_model)
+    options = dict(
+        max_new_tokens=8, stop_token_ids=stop_ids(policy_tokenizer), seed=5, value_model=value_model
+    )
+    one_row = len(policy_tokenizer(PROMPTS[0]).input_ids) + 8  # under any rendered prompt's cache
+    batched = HFGenerator(policy_model, policy_tokenizer, batch_tokens=one_row, **options)
+    rollout = batched.generate(PROMPTS, policy_version=0)
+    assert batched.decode_tokens == rollout.query_mask[-1].sum() + 8  # the last batch: its row alone
+    assert rollout.values.shape == rollout.response_ids.shape
+    for i, prompt in enumerate(PROMPTS):
+        alone = HFGenerator(policy_model, policy_tokenizer, **options).generate([prompt], 0, sample_ids=[i])
+        n = int(alone.response_mask.sum())
+        assert torch.equal(rollout.response_ids[i, :n], alone.response_ids[0, :n])
+        assert rollout.response_mask[i].sum() == n
+        torch.testing.assert_close(rollout.logp_old[i, :n], alone.logp_old[0, :n], atol=1e-6, rtol=0)
+        torch.testing.assert_close(rollout.values[i, :n], alone.values[0, :n], atol=1e-5, rtol=0)

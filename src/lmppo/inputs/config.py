@@ -381,6 +381,12 @@ class RolloutConfig(Section):
         description="dynamic_sampling: extra generation rounds per step at most; a batch still short then "
         "keeps flat groups (rollout/flat_groups_kept)",
     )
+    generation_batch_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="engine=hf: a token budget per decode batch: prompts sampled in batches whose KV caches "
+        "hold at most this many prompt + max_new_tokens positions; null = the whole batch at once",
+    )
     forward_batch_size: int | None = Field(None, gt=0, description="micro-batch of the stored passes")
     forward_batch_tokens: int | None = Field(
         None,
@@ -416,6 +422,15 @@ class RolloutConfig(Section):
             raise ValueError(
                 "rollout.dynamic_sampling samples again when a batch is short, and rollout.asynchronous has "
                 "sampled the next batch already; set one of them to false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _generation_batches_on_hf(self) -> RolloutConfig:
+        if self.generation_batch_tokens is not None and self.engine == "vllm":
+            raise ValueError(
+                "rollout.generation_batch_tokens sizes the transformers decode loop's batches, and "
+                "rollout.engine=vllm schedules its own (rollout.vllm_kv_cache_gb); unset one of them"
             )
         return self
 
@@ -622,6 +637,13 @@ class RunConfig(Section):
         "(oneDNN on CPUs with AVX512-BF16 or AMX: 'fast fp32', measured in docs/performance.md)",
     )
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: all cores)")
+    oom_retries: int = Field(
+        4,
+        ge=0,
+        description="out of memory in a phase (generation, a stored pass, the update) halves its token budget "
+        "and redoes it, this many times per phase at most, for the rest of the run (one process; "
+        "docs/memory.md); 0 = stop at the first",
+    )
     checkpoint_every: int = Field(0, ge=0, description="steps between checkpoints; 0 = at the end only")
     keep_last: int = Field(
         2, gt=0, description="newest checkpoints kept (best/ and the newest good one are kept besides)"

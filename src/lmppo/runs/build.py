@@ -267,6 +267,7 @@ def generator_options(cfg: Config) -> dict:
         "raw_prompts": cfg.data.raw_prompts,
         "max_prompt_length": cfg.data.max_prompt_length,
         "truncate_prompts": cfg.data.truncate_prompts,
+        "batch_tokens": r.generation_batch_tokens,
     }
 
 

@@ -586,6 +586,11 @@ def remedies(cfg: Config, plan: MemoryPlan) -> list[tuple[str, int]]:
     return [(" ".join(c), saving) for c, saving in [*ladder_saved, *sorted(knob_saved, key=lambda i: -i[1])]]
 
 
+def remedy_list(cfg: Config, plan: MemoryPlan) -> str:
+    """:func:`remedies` as the one line an error names them in."""
+    return "; ".join(f"{change} (saves {size(saved)})" for change, saved in remedies(cfg, plan))
+
+
 def _saving(cfg: Config, plan: MemoryPlan, overrides: list[str]) -> int:
     """Bytes per rank the plan loses with ``overrides`` applied; 0 when under 1 % (not worth naming) or
     when the changed config is refused (a rung this run cannot take)."""
@@ -605,7 +610,7 @@ def check_plan(cfg: Config, spec: RunSpec, force: bool = False) -> MemoryPlan:
     plan = memory_plan(cfg, spec=spec)
     if plan.fits or force:
         return plan
-    fixes = "; ".join(f"{change} (saves {size(saved)})" for change, saved in remedies(cfg, plan))
+    fixes = remedy_list(cfg, plan)
     largest = max(plan.phases, key=plan.phases.get)
     raise LmppoError(
         f"this run needs about {size(plan.needed)} more memory on {plan.device} but {size(plan.available)} "

@@ -58,10 +58,11 @@ from lmppo.runs.diagnose import LiveDiagnosis
 from lmppo.runs.evaluate import run_evaluator
 from lmppo.runs.export import export_best, export_critic, export_final, whole_policy
 from lmppo.runs.guards import Guards, held_out_score
-from lmppo.runs.plan import MemoryPlan, check_plan
+from lmppo.runs.plan import MemoryPlan, check_plan, remedy_list
 from lmppo.runs.preflight import Preflight, run_preflight, summary_line, write_preflight_json
 from lmppo.runs.trainer_state import apply_changed_settings, load_state_payload, save_trainer_checkpoint
 from lmppo.signals import StopOnSignal, StopRequested
+from lmppo.training.budgets import OutOfMemory, out_of_memory_error
 from lmppo.training.metrics import METRICS_FILE, MetricsLogger, read_metrics, reduce_metrics
 from lmppo.training.sft import sft_batch
 
@@ -235,7 +236,7 @@ class PPORun:
         progress: ProgressDisplay,
         stop: StopOnSignal,
     ) -> None:
-        self.cfg, self.spec, self.dist_info = cfg, spec, dist_info
+        self.cfg, self.spec, self.dist_info, self.plan = cfg, spec, dist_info, plan
         self.progress, self.stop = progress, stop
         self.run_dir, self.resumed = Path(cfg.run.output_dir), False
         self.on_step: Callable[[int, dict[str, float]], None] | None = None  # the Python API's callback
@@ -440,9 +441,9 @@ class PPORun:
                 metrics = trainer.step()
         except (GuardAbort, Interrupted):
             raise
-        except LmppoError as err:  # nothing of the failed step was saved
+        except (LmppoError, torch.OutOfMemoryError) as err:  # nothing of the failed step was saved
             raise with_context(
-                err,
+                self.out_of_memory(err) if isinstance(err, torch.OutOfMemoryError | OutOfMemory) else err,
                 f"the run stopped in step {trainer.step_count + 1}; nothing of that step was saved and the last "
                 f"checkpoint, {latest_checkpoint(self.run_dir)}, is intact: fix it and continue with "
                 f"`lmppo ppo --resume {self.run_dir}`",
@@ -457,6 +458,13 @@ class PPORun:
         if evaluated:
             self.progress.note(held_out_line(trainer.step_count, metrics, self.progress.reward_label))
         return metrics
+
+    def out_of_memory(self, err: torch.OutOfMemoryError | OutOfMemory) -> OutOfMemory:
+        """An out-of-memory error the step could not recover from, with the memory plan's remedies."""
+        if isinstance(err, torch.OutOfMemoryError):  # no phase could redo it: several ranks, or vLLM's
+            err = out_of_memory_error(err, self.trainer.budgets, self.trainer.world_size)
+        fixes = remedy_list(self.cfg, self.plan)
+        return OutOfMemory(f"{err}. " + (f"The memory plan's next remedies: {fixes}" if fixes else ""))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record a step and show what the diagnosis rules newly find in the history so far."""

@@ -92,6 +92,7 @@ def state_payload(trainer: Stepper) -> tuple[TensorGroups, dict]:
         "optimizer": optimizer_skeleton,
         "rng": [j for j, _ in per_rank],  # one entry per rank
         "sharded_ranks": trainer.world_size if trainer.spec.sharded_checkpoints else None,
+        "token_budgets": trainer.budgets.state_dict(),  # as out-of-memory errors have halved them
     }
     if trainer.ahead is not None:  # rollout.asynchronous: the batch in flight, sampled by older weights
         in_flight = trainer.ahead.finished()
@@ -154,6 +155,8 @@ def load_state_payload(trainer: Stepper, tensors: TensorGroups, state: dict) -> 
     trainer.sync_generator()  # an engine with its own weights gets the restored policy
     _restore_pending_rollout(trainer, tensors, state)
     trainer.episodes, trainer.tokens = int(state["episodes"]), int(state["tokens"])
+    if "token_budgets" in state:  # written before lmppo learned them: the config's
+        trainer.budgets.load_state_dict(state["token_budgets"])
 
 
 def _saved_groups(trainer: Stepper, tensors: TensorGroups, state: dict):
@@ -215,6 +218,7 @@ def apply_changed_settings(trainer: Stepper, cfg: Config, changed: set[str]) -> 
     if changed & {"ppo.weight_decay", "ppo.adam_eps"}:
         for group in trainer.optimizer.param_groups:
             group["weight_decay"], group["eps"] = ppo.weight_decay, ppo.adam_eps
+    trainer.budgets.reset(cfg, changed)  # a budget set anew replaces the one the run had learned
     if any(key.startswith("kl.") for key in changed):  # a new coefficient or controller starts afresh
         trainer.kl_controller = build_kl_controller(cfg.kl)
 

@@ -128,6 +128,7 @@ class HFGenerator:
         value_model: ValueModel | None = None,
         bootstrap_values: bool = True,
         seed: int | None = None,
+        batch_tokens: int | None = None,
     ) -> None:
         if value_model is not None and not value_model.shared_trunk:
             raise ValueError("HFGenerator reads values only from a head on the policy's own trunk")
@@ -147,6 +148,8 @@ class HFGenerator:
         self.model, self.tokenizer, self.value_model = model, tokenizer, value_model
         self.bootstrap_values, self.seed = bootstrap_values, seed
         self.max_new_tokens = max_new_tokens
+        self.batch_tokens = batch_tokens  # rollout.generation_batch_tokens; the run halves it on OOM
+        self.decode_tokens = 0  # positions of the decode batch in progress (what ran out, on OOM)
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.stop_token_ids = sorted(stops)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stops)
@@ -281,13 +284,38 @@ class HFGenerator:
         max_new_tokens: int | None = None,
         turn: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The decode loop on ``self.model`` in eval mode, its LoRA adapters folded for the loop. An engine
-        that overrides this never touches the trained module: with ``rollout.asynchronous`` it samples while
-        the update trains that module on another thread."""
+        """The decode loop on ``self.model`` in eval mode, its LoRA adapters folded for the loop, over
+        batches of rows whose static caches hold at most ``batch_tokens`` positions (all rows at once when
+        unset). An engine that overrides this never touches the trained module: with
+        ``rollout.asynchronous`` it samples while the update trains that module on another thread."""
+        max_new_tokens = max_new_tokens or self.max_new_tokens
+        rows = len(query_ids)
+        if self.batch_tokens:  # rows of at most batch_tokens cache positions per decode batch
+            rows = max(1, self.batch_tokens // (query_ids.shape[1] + max_new_tokens))
+        pieces = []
         with eval_mode(self.model), lora_merged(self.model):
-            return self._decode_loop(
-                query_ids, query_mask, sample_ids, max_new_tokens or self.max_new_tokens, turn
-            )
+            for start in range(0, len(query_ids), rows):
+                part = slice(start, start + rows)
+                first = int(query_mask[part].any(dim=0).long().argmax())  # this batch's left padding goes
+                queries, mask = query_ids[part, first:], query_mask[part, first:]
+                self.decode_tokens = len(queries) * (queries.shape[1] + max_new_tokens)
+                pieces.append(self._decode_loop(queries, mask, sample_ids[part], max_new_tokens, turn))
+        if len(pieces) == 1:
+            return pieces[0]
+        return self._joined(pieces)
+
+    def _joined(self, pieces: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The decode batches' tokens, log-probs and values as one batch, each padded to the longest (pad
+        id, 0: columns past a row's stop, never read)."""
+        width = max(tokens.shape[1] for tokens, _, _ in pieces)
+
+        def padded(t: torch.Tensor, extra: int, value) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, width + extra - t.shape[1]), value=value)
+
+        tokens = torch.cat([padded(t, 0, self.pad_token_id) for t, _, _ in pieces])
+        logps = torch.cat([padded(lp, 0, 0.0) for _, lp, _ in pieces])
+        values = None if pieces[0][2] is None else torch.cat([padded(v, 1, 0.0) for _, _, v in pieces])
+        return tokens, logps, values
 
     def _decode_loop(
         self,

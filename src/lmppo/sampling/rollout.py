@@ -290,6 +290,11 @@ def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
     return dataclasses.replace(parts[0], **joined)
 
 
+def padded_tokens(batch: Rollout) -> int:
+    """The positions one forward over ``batch`` computes: rows x (query + response columns)."""
+    return len(batch) * (batch.query_ids.shape[1] + batch.response_ids.shape[1])
+
+
 def stored_pass_batches(
     rollout: Rollout, rows: int | None = None, tokens: int | None = None
 ) -> Iterator[tuple[torch.Tensor, Rollout]]:

@@ -100,6 +100,10 @@ METRIC_NAMES: dict[str, str] = {
     "perf/allgather_mb": "FSDP2: weight bytes each rank received by all-gather this step, MiB (fsdp2 only)",
     "perf/reduce_scatter_mb": "FSDP2: gradient bytes each rank sent by reduce-scatter this step, MiB (fsdp2 only)",
     "perf/trained_state_mb": "trained weights + gradients + optimizer state this rank holds, MiB (1/N under fsdp2)",
+    "perf/oom_retries": "phases redone this step after an out-of-memory error, each under half its token budget (run.oom_retries)",
+    "perf/generation_batch_tokens": "generation's token budget per decode batch, as out-of-memory errors halved it (logged once halved)",
+    "perf/forward_batch_tokens": "the stored passes' token budget per forward, as out-of-memory errors halved it (logged once halved)",
+    "perf/micro_batch_tokens": "the update's token budget per micro-batch, as out-of-memory errors halved it (logged once halved)",
     "eval/reward/rm_score": "mean reward-model (or reward function) score on the held-out prompts",
     "eval/gold_score": "mean gold-judge score on the held-out prompts, where a judge exists",
     "eval/kl/ref": "mean per-sequence KL (k1) of the policy to the reference on held-out samples",
@@ -131,6 +135,7 @@ REDUCE_OPS: dict[str, str] = {
     "perf/train_tokens_per_s": "min",
     "perf/peak_rss_mb": "max",
     "perf/peak_gpu_mb": "max",
+    "perf/oom_retries": "max",
 }
 
 # Old name -> current name: metrics.jsonl files written before a rename still read (read_metrics).

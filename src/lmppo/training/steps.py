@@ -17,9 +17,11 @@ work.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -41,10 +43,14 @@ from lmppo.modeling.models import PPOModels, autocast
 from lmppo.progress import phase
 from lmppo.rewards.scoring import CombinedReward
 from lmppo.sampling.engines import Generator, RolloutsAhead
+from lmppo.sampling.hf_engine import HFGenerator
 from lmppo.sampling.passes import sequence_logprobs, value_predictions
-from lmppo.sampling.rollout import Rollout, ScoredRollout, concat_rollouts
+from lmppo.sampling.rollout import Rollout, ScoredRollout, concat_rollouts, padded_tokens, stored_pass_batches
+from lmppo.training.budgets import TokenBudgets
 from lmppo.training.metrics import timed
 from lmppo.training.step_results import Scores, UpdateResult, scored_metrics, step_metrics
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -75,22 +81,42 @@ class Stepper:
         self.policy, self.reference, self.value_model = models.policy, models.reference, models.value
         self.device, self.precision = spec.device, spec.precision
         torch.set_float32_matmul_precision(spec.fp32_matmul_precision)  # process-wide, as the run is
-        r = cfg.rollout  # rows or a token budget per forward of the passes without gradients:
-        self.stored_pass_batching = dict(
-            forward_batch_size=r.forward_batch_size, forward_batch_tokens=r.forward_batch_tokens
-        )
+        self.budgets = TokenBudgets.of(cfg)  # each phase's tokens per forward, halved on out-of-memory
         self.shuffle_generator = torch.Generator().manual_seed(cfg.run.seed + 1 + rank)
         self.step_count = 0  # steps done
         self.policy_version = 0  # steps that changed the policy; each rollout records the one it saw
         self.episodes = 0  # responses generated (all ranks)
         self.tokens = 0  # response tokens generated (all ranks)
         self.sampling_metrics: dict[str, float] = {}  # rollout.dynamic_sampling's counts of this step
+        self.decode_loop = decode_loop(self.generator, spec)  # whose batch budget shrinks on out-of-memory
         # rollout.asynchronous: the next batch samples on a worker thread while this one is updated on
         self.ahead = (
             RolloutsAhead(self.generator, self.prompt_stream, self.autocast)
             if spec.engine.asynchronous
             else None
         )
+
+    def recovering(self, phase: str, run: Callable[[int | None], T], failed_tokens: Callable[[], int]) -> T:
+        """``run(budget)`` under ``phase``'s token budget, redone under half of it after an out-of-memory
+        error (:mod:`lmppo.training.budgets`): in one process, and for generation on the decode loop."""
+        recovers = self.world_size == 1 and (phase != "generation" or self.decode_loop is not None)
+        if not recovers:
+            return run(getattr(self.budgets, phase))
+        return self.budgets.shrinking(phase, run, failed_tokens, self.cfg.run.oom_retries)
+
+    def stored_pass(self, run: Callable[..., T], rollout: Rollout) -> T:
+        """``run(forward_batch_size=, forward_batch_tokens=)``: a pass without gradients over ``rollout``,
+        in forwards of the configured rows or, once set or halved, of the stored passes' token budget."""
+
+        def batching(budget: int | None) -> dict:
+            rows = None if budget else self.cfg.rollout.forward_batch_size
+            return dict(forward_batch_size=rows, forward_batch_tokens=budget)
+
+        def failed_tokens() -> int:
+            batches = stored_pass_batches(rollout, *batching(self.budgets.stored_passes).values())
+            return max(padded_tokens(batch) for _, batch in batches)
+
+        return self.recovering("stored_passes", lambda budget: run(**batching(budget)), failed_tokens)
 
     def autocast(self):
         """The numerics of every forward pass: bf16 autocast under ``run.precision=bf16``, else nothing."""
@@ -140,7 +166,13 @@ class Stepper:
     def generate_next(self) -> Rollout:
         """The current policy's responses to the stream's next batch of prompts."""
         batch = self.prompt_stream.next_samples()
-        return self.generator.generate(batch.prompts, self.policy_version, batch.sample_ids, batch.rows)
+
+        def generate(budget: int | None) -> Rollout:
+            if self.decode_loop is not None:
+                self.decode_loop.batch_tokens = budget
+            return self.generator.generate(batch.prompts, self.policy_version, batch.sample_ids, batch.rows)
+
+        return self.recovering("generation", generate, lambda: self.decode_loop.decode_tokens)
 
     def with_signal(self, rollout: Rollout) -> Rollout:
         """DAPO's dynamic sampling: groups whose samples all scored the same are set aside and more prompts
@@ -189,7 +221,7 @@ class Stepper:
     def score(self, rollout: Rollout) -> tuple[ScoredRollout, Scores]:
         """The reward, the reference's log-probs, values and the trainer's own log-probs (module docstring);
         the scored record and the reward side's metrics."""
-        mask, stored_pass, seconds = rollout.action_mask, self.stored_pass_batching, {}
+        mask, seconds = rollout.action_mask, {}
         with timed(seconds, "perf/reward_s"):
             raw = dict(zip([c.name for c in self.reward.components], self._raw_scores(rollout).unbind(1)))
         rm_score_raw = self.reward.weighted(raw).to(mask.device)
@@ -203,7 +235,9 @@ class Stepper:
         if self.spec.estimator.bootstrap_truncated:
             rm_score = torch.where(rollout.terminated, rm_score, 0.0)
         with timed(seconds, "perf/reference_s"), self.autocast(), gathered(self.reference):
-            logp_ref = sequence_logprobs(self.reference, rollout, **stored_pass)
+            logp_ref = self.stored_pass(
+                functools.partial(sequence_logprobs, self.reference, rollout), rollout
+            )
         values = {}
         if self.value_model is not None:  # critic-free runs have no values
             values = self._values(rollout, seconds)
@@ -242,8 +276,8 @@ class Stepper:
             seconds["perf/values_s"] = 0.0
             return {}
         with timed(seconds, "perf/values_s"), self.autocast(), gathered(*self._value_modules()):
-            values, bootstrap_value = value_predictions(
-                self.value_model, rollout, **self.stored_pass_batching
+            values, bootstrap_value = self.stored_pass(
+                functools.partial(value_predictions, self.value_model, rollout), rollout
             )
         return {"values": values, "bootstrap_value": bootstrap_value}
 
@@ -256,7 +290,9 @@ class Stepper:
         is then taken against, and per-token weights ``min(p_trainer / p_sampler, cap)`` (``tis_weights``).
         ``logp_old`` stays the sampler's."""
         with self.autocast(), gathered(self.policy):
-            logp_trainer = sequence_logprobs(self.policy, rollout, **self.stored_pass_batching)
+            logp_trainer = self.stored_pass(
+                functools.partial(sequence_logprobs, self.policy, rollout), rollout
+            )
         weights = core.truncated_importance_weights(
             logp_trainer, rollout.logp_old, rollout.action_mask, self.cfg.ppo.tis_cap
         )
@@ -307,6 +343,7 @@ class Stepper:
             metrics.update(self.comm_counter.take())
         metrics["perf/trained_state_mb"] = trained_state_bytes(self.optimizer) / 2**20
         metrics.update(self.sampling_metrics)
+        metrics.update(self.budgets.metrics())
         return metrics
 
     def sync_generator(self, seconds: dict[str, float] | None = None) -> None:
@@ -325,3 +362,11 @@ class Stepper:
         if self.ahead is not None:
             self.ahead.close(abandon)
         self.generator.close(abandon)
+
+
+def decode_loop(generator: Generator, spec: RunSpec) -> HFGenerator | None:
+    """The transformers decode loop sampling the training batches in this process (an environment's
+    included), whose decode batches generation's token budget sizes; None with vLLM or asynchronous
+    sampling (on a worker thread: nothing there to redo)."""
+    engine = getattr(generator, "engine", generator)  # an environment plays its episodes on an engine
+    return engine if isinstance(engine, HFGenerator) and not spec.engine.asynchronous else None

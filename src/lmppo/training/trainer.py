@@ -21,7 +21,7 @@ from lmppo.math import core
 from lmppo.modeling.distributed import all_sum
 from lmppo.modeling.models import trainable_parameters
 from lmppo.progress import advance, phase
-from lmppo.sampling.rollout import EstimatedRollout, rank_micro_batches
+from lmppo.sampling.rollout import EstimatedRollout, padded_tokens, rank_micro_batches
 from lmppo.training.advantages import estimate
 from lmppo.training.metrics import timed
 from lmppo.training.step_results import MinibatchResult, TokenMeans, UpdateResult, update_metrics
@@ -110,34 +110,17 @@ class PPOTrainer(Stepper):
         divides out). Gradients sync once, in the last backward; the reported statistics are global
         token means too, so every rank logs and decides the same.
         """
-        ppo = self.cfg.ppo
         sizes = torch.stack([minibatch.action_mask.sum(), minibatch.action_mask.new_tensor(len(minibatch))])
         global_tokens, global_rows = all_sum(sizes, self.group).clamp(min=1.0).unbind()
-        mean_length = global_tokens / global_rows  # response tokens per row: sequence_mean's token weights
-        micro_batches, weights = rank_micro_batches(
-            minibatch,
-            micro_batch_size=ppo.micro_batch_size,
-            micro_batch_tokens=ppo.micro_batch_tokens,
-            world_size=self.world_size,
-            rank=self.rank,
-            group=self.group,
-            same_count=self.spec.sharded,
+        failed = []  # the micro-batch that ran out of memory, if one does
+
+        def accumulate(budget: int | None) -> tuple[TokenMeans, float, float | None]:
+            micro_batches, weights = self.micro_batches(minibatch, budget)
+            return self.accumulate(micro_batches, weights, global_tokens, global_rows, critic_only, failed)
+
+        means, ratio_max, ptx_loss = self.recovering(
+            "update", accumulate, lambda: padded_tokens(failed[-1] if failed else minibatch)
         )
-        self.optimizer.zero_grad(set_to_none=True)
-        means, ratio_max, ptx_loss = TokenMeans(), 0.0, None
-        if self.ptx_batches is not None and ppo.ptx_coef > 0 and not critic_only:
-            with self._no_grad_sync():  # accumulated locally; the last micro-batch's backward syncs it
-                loss = self.ptx_loss()
-                (ppo.ptx_coef * loss).backward()
-            ptx_loss = loss.item() / self.world_size  # a mean over ranks after the sum below
-        for i, (micro, weight) in enumerate(zip(micro_batches, weights, strict=True)):
-            micro_means, micro_ratio_max, loss = self.micro_batch_loss(micro, mean_length, critic_only)
-            # this micro-batch's token mean, weighted by its share of the global minibatch's tokens
-            share = weight * micro.action_mask.sum() / global_tokens
-            with self._no_grad_sync() if i < len(micro_batches) - 1 else nullcontext():
-                (loss * share * self.world_size).backward()
-            ratio_max = max(ratio_max, micro_ratio_max)
-            means.add(micro_means, float(share))
         summed = [*astuple(means), *([] if ptx_loss is None else [ptx_loss])]
         summed = all_sum(torch.tensor(summed, dtype=torch.float64), self.group).tolist()
         means = TokenMeans(*summed[: len(fields(TokenMeans))])
@@ -150,6 +133,51 @@ class PPOTrainer(Stepper):
         if finite:  # never apply a NaN/inf update
             self.optimizer.step()
         return MinibatchResult(means, policy_norm, value_norm, ratio_max, finite, ptx_loss)
+
+    def micro_batches(self, minibatch: EstimatedRollout, budget: int | None) -> tuple[list, list[float]]:
+        """This rank's micro-batches and their loss weights: ``ppo.micro_batch_size`` rows, or forwards of at
+        most ``budget`` tokens once the update's budget is set (or halved after an out-of-memory error)."""
+        return rank_micro_batches(
+            minibatch,
+            micro_batch_size=None if budget else self.cfg.ppo.micro_batch_size,
+            micro_batch_tokens=budget,
+            world_size=self.world_size,
+            rank=self.rank,
+            group=self.group,
+            same_count=self.spec.sharded,
+        )
+
+    def accumulate(
+        self,
+        micro_batches: list[EstimatedRollout],
+        weights: list[float],
+        global_tokens: torch.Tensor,
+        global_rows: torch.Tensor,
+        critic_only: bool,
+        failed: list[EstimatedRollout],
+    ) -> tuple[TokenMeans, float, float | None]:
+        """The minibatch's gradients, from zero, accumulated over its micro-batches (each one appended to
+        ``failed`` as it starts: the last is the one that ran out, if one does); this rank's token means,
+        largest ratio and PPO-ptx loss."""
+        ppo = self.cfg.ppo
+        mean_length = global_tokens / global_rows  # response tokens per row: sequence_mean's token weights
+        self.optimizer.zero_grad(set_to_none=True)
+        means, ratio_max, ptx_loss = TokenMeans(), 0.0, None
+        if self.ptx_batches is not None and ppo.ptx_coef > 0 and not critic_only:
+            with self._no_grad_sync():  # accumulated locally; the last micro-batch's backward syncs it
+                loss = self.ptx_loss()
+                (ppo.ptx_coef * loss).backward()
+            ptx_loss = loss.item() / self.world_size  # a mean over ranks after the sum below
+        for i, (micro, weight) in enumerate(zip(micro_batches, weights, strict=True)):
+            failed.append(micro)
+            micro_means, micro_ratio_max, loss = self.micro_batch_loss(micro, mean_length, critic_only)
+            # this micro-batch's token mean, weighted by its share of the global minibatch's tokens
+            share = weight * micro.action_mask.sum() / global_tokens
+            with self._no_grad_sync() if i < len(micro_batches) - 1 else nullcontext():
+                (loss * share * self.world_size).backward()
+            ratio_max = max(ratio_max, micro_ratio_max)
+            means.add(micro_means, float(share))
+        return means, ratio_max, ptx_loss
 
     def _no_grad_sync(self):
         """Skip DDP's gradient all-reduce for this backward (gradients accumulate locally). FSDP2
