@@ -3,7 +3,8 @@ rate they achieve against the GPU's bf16 matrix-product rate measured in this pr
 ``max_memory_allocated`` against ``lmppo plan``. Models are random with real shapes (random_models.py):
 SmolLM2-135M (LoRA, critic head on the trunk), a 1.07B and a 3B Llama (full policy, gradient
 checkpointing; a separate critic where the plan fits one), then the memory ladder's rows: the 1B's
-reference in int8, in nf4 and offloaded, the 1B's 24 GB config, and SmolLM2 as QLoRA on an nf4 base. Each row is its own ``lmppo ppo`` process,
+reference in int8, in nf4 and offloaded, the 1B's 24 GB config, and SmolLM2 as QLoRA on an nf4 base, and SmolLM2 under a 2 GiB cap to run out of memory on purpose
+(out-of-memory recovery: the retries and the budgets it settled on). Each row is its own ``lmppo ppo`` process,
 stopped once its steps are logged (no end-of-run checkpoint to write).
 
     python benchmarks/bench_gpu.py --deadline-s 180        # on the GPU (benchmarks/gpu_check.sh runs it)
@@ -37,6 +38,7 @@ class Row:
     config: str
     overrides: tuple[str, ...] = ()  # "{model}" stands for the row's model directory
     label: str = ""  # what the overrides change, in the row's name
+    memory_gib: float | None = None  # the run's CUDA allocations capped here: out-of-memory on purpose
 
     @property
     def name(self) -> str:
@@ -57,6 +59,8 @@ ROWS = [
     Row("llama-1b", "bf16", LLAMA, (REFERENCE, "models.reference.offload=model"), "offload ref"),
     Row("llama-1b", "bf16", "examples/llama_1b/ppo_24gb.yaml", (REFERENCE,), "24 GB config"),
     Row("smollm2-135m", "bf16", SMOLLM2, ("models.policy.quantize=nf4",), "QLoRA nf4"),
+    # planned at 4 GiB (stored passes 1.9, update 3.2): both run out under 2 GiB, halve and are redone
+    Row("smollm2-135m", "bf16", SMOLLM2, (), "OOM recovery, 2 GiB cap", memory_gib=2.0),
     Row("llama-3b", "bf16", LLAMA),
     Row("smollm2-135m", "fp32", SMOLLM2),
     Row("llama-1b", "fp32", LLAMA),
@@ -170,6 +174,10 @@ def summarise(records: list[dict], cfg, n_params, plan_bytes: int, peak_tflops) 
         "plan_mb": round(planned),
         "plan_error": round(planned / measured - 1, 3),
     }
+    retries = sum(r.get("perf/oom_retries", 0) for r in records)
+    if retries:  # the budgets out-of-memory errors halved, as the last step ran
+        budgets = {k.removeprefix("perf/"): v for k, v in records[-1].items() if k.endswith("_batch_tokens")}
+        result |= {"oom_retries": int(retries), "budgets": budgets}
     if peak_tflops:
         result["update_mfu"] = float(f"{result['update_tflops'] / peak_tflops:.3g}")
     return result
@@ -188,8 +196,9 @@ def table(results: dict, device_name: str, peak_tflops) -> str:
         if "error" in r:
             lines.append(f"| {name} | {r['error']} |")
             continue
+        retried = f"; {r['oom_retries']} OOM retries → {r['budgets']}" if "oom_retries" in r else ""
         lines.append(
-            f"| {name} ({r['params_m']}M) | {r['step_s']} | {r['rollout_s']} | {r['update_s']} "
+            f"| {name} ({r['params_m']}M{retried}) | {r['step_s']} | {r['rollout_s']} | {r['update_s']} "
             f"| {r['gen_tokens_per_s']} | {r['gen_tflops']} | {r['update_tokens_per_s']} | {r['update_tflops']} "
             f"| {r['peak_mb']} | {r['plan_mb']} | {r['plan_error']:+.0%} |"
         )
@@ -256,6 +265,14 @@ def main() -> None:
     print(json.dumps(report(args, results, device_name, peak_tflops)))
 
 
+# `lmppo` with this process's CUDA allocations capped at argv[1] GiB (torch raises OutOfMemoryError past it)
+CAPPED = (
+    "import sys, torch; torch.cuda.set_per_process_memory_fraction(float(sys.argv.pop(1)) * 2**30 / "
+    "torch.cuda.get_device_properties(0).total_memory); sys.argv[0] = 'lmppo'; "
+    "from lmppo.interface.cli import main; main()"
+)
+
+
 def run_row(row: Row, args, peak_tflops: float | None, timeout: float) -> dict:
     """One row: its random model (made once per shape), its plan, then `lmppo ppo` until its steps are
     logged; the figures, or the error."""
@@ -265,6 +282,8 @@ def run_row(row: Row, args, peak_tflops: float | None, timeout: float) -> dict:
     from lmppo.runs.plan import memory_plan
     from lmppo.training.metrics import read_metrics
 
+    if row.memory_gib is not None and args.device != "cuda":
+        return {"error": "skipped: the memory cap is a CUDA allocator's"}
     model_dir = args.work / "models" / row.shape
     output_dir = args.work / "runs" / row.name.replace(" ", "-")
     overrides = row_config(row, model_dir, args, output_dir)
@@ -282,7 +301,12 @@ def run_row(row: Row, args, peak_tflops: float | None, timeout: float) -> dict:
         )
         if args.device == "cuda":
             torch.cuda.empty_cache()  # the child process needs the memory the model took here
-    command = [sys.executable, "-m", "lmppo", "ppo", str(ROOT / row.config), *overrides, "--quiet", "--force"]
+    lmppo = (
+        [sys.executable, "-m", "lmppo"]
+        if row.memory_gib is None
+        else [sys.executable, "-c", CAPPED, str(row.memory_gib)]
+    )
+    command = [*lmppo, "ppo", str(ROOT / row.config), *overrides, "--quiet", "--force"]
     error = run_steps(command, output_dir / "metrics.jsonl", args.steps, timeout=timeout)
     if error:
         return {"error": error}

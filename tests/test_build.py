@@ -29,6 +29,7 @@ def test_generator_options_are_every_setting_the_generator_takes(run_files):
             "models.policy.chat_template='{{ x }}'",
             "data.max_prompt_length=40",
             "data.truncate_prompts=true",
+            "rollout.generation_batch_tokens=512",
         ],
     )
     options = generator_options(cfg)
@@ -47,6 +48,7 @@ def test_generator_options_are_every_setting_the_generator_takes(run_files):
         "raw_prompts": False,
         "max_prompt_length": 40,
         "truncate_prompts": True,
+        "batch_tokens": 512,
     }
 
 
