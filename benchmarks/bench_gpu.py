@@ -2,10 +2,11 @@
 rate they achieve against the GPU's bf16 matrix-product rate measured in this process, and peak
 ``max_memory_allocated`` against ``lmppo plan``. Models are random with real shapes (random_models.py):
 SmolLM2-135M (LoRA, critic head on the trunk), a 1.07B and a 3B Llama (full policy, gradient
-checkpointing; a separate critic where the plan fits one), then the memory ladder's rows: the 1B's
-reference in int8, in nf4 and offloaded, the 1B's 24 GB config, and SmolLM2 as QLoRA on an nf4 base, and SmolLM2 under a 2 GiB cap to run out of memory on purpose
-(out-of-memory recovery: the retries and the budgets it settled on). Each row is its own ``lmppo ppo`` process,
-stopped once its steps are logged (no end-of-run checkpoint to write).
+checkpointing; a separate critic where the plan fits one), the SmolLM2 and 1B rows with ``run.compile``
+(``first_step_s`` holds the compile), then the memory ladder's rows: the 1B's reference in int8, in nf4
+and offloaded, the 1B's 24 GB config, SmolLM2 as QLoRA on an nf4 base, and SmolLM2 under a 2 GiB cap
+that runs it out of memory on purpose (the recovery's retries and the budgets it settles on). Each row is
+its own ``lmppo ppo`` process, stopped once its steps are logged (no end-of-run checkpoint to write).
 
     python benchmarks/bench_gpu.py --deadline-s 180        # on the GPU (benchmarks/gpu_check.sh runs it)
     python benchmarks/bench_gpu.py --dry-run               # anywhere: every row's plan for a 139 GiB GPU
@@ -54,6 +55,9 @@ REFERENCE = "models.reference.path={model}"
 ROWS = [
     Row("smollm2-135m", "bf16", SMOLLM2),
     Row("llama-1b", "bf16", LLAMA),
+    # run.compile against the two rows above: steady step and, in first_step_s, the compile
+    Row("smollm2-135m", "bf16", SMOLLM2, ("run.compile=true",), "compiled"),
+    Row("llama-1b", "bf16", LLAMA, ("run.compile=true",), "compiled"),
     Row("llama-1b", "bf16", LLAMA, (REFERENCE, "models.reference.quantize=int8"), "int8 ref"),
     Row("llama-1b", "bf16", LLAMA, (REFERENCE, "models.reference.quantize=nf4"), "nf4 ref"),
     Row("llama-1b", "bf16", LLAMA, (REFERENCE, "models.reference.offload=model"), "offload ref"),
@@ -163,6 +167,7 @@ def summarise(records: list[dict], cfg, n_params, plan_bytes: int, peak_tflops) 
     result = {
         "params_m": round(n_params["policy"] / 1e6),
         "step_s": round(median("perf/step_s"), 2),
+        "first_step_s": round(records[0]["perf/step_s"], 2),  # warm-up: with run.compile, the compile
         "rollout_s": round(median("perf/rollout_s"), 2),
         "update_s": round(median("perf/update_s"), 2),
         "gen_tokens_per_s": round(gen_tps),

@@ -79,6 +79,10 @@ REAL_VARIANTS = {  # the real model's variant rows; lmppo-vllm runs in the vLLM 
     # bf16 autocast with fp32 masters, and fp32 whose matmuls round their inputs to bf16 (oneDNN)
     "lmppo-bf16": {"run": {"precision": "bf16"}},
     "lmppo-fast-fp32": {"run": {"fp32_matmul_precision": "medium"}},
+    # run.compile: the first step of each process carries the compile (first_step_seconds), cold or from
+    # the inductor cache the repetition before left
+    "lmppo-compiled": {"run": {"compile": True}},
+    "lmppo-bf16-compiled": {"run": {"precision": "bf16", "compile": True}},
 }
 VLLM_PYTHON = HERE.parent / ".venv-vllm" / "bin" / "python"
 

@@ -52,6 +52,7 @@ def test_first_update_sees_ratio_one_and_metrics_are_complete():
                 "perf/allgather_mb",
                 "perf/reduce_scatter_mb",
                 "perf/peak_gpu_mb",
+                "perf/compiles",  # run.compile only
                 "perf/generation_batch_tokens",  # logged once an out-of-memory error halved them
                 "perf/forward_batch_tokens",
                 "perf/micro_batch_tokens",

@@ -637,6 +637,12 @@ class RunConfig(Section):
         "(oneDNN on CPUs with AVX512-BF16 or AMX: 'fast fp32', measured in docs/performance.md)",
     )
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: all cores)")
+    compile: bool = Field(
+        False,
+        description="torch.compile the decoder layers for the update and the stored passes (the decode loop "
+        "stays eager): fused element-wise kernels after a compile of minutes, cached on disk for the next "
+        "run (docs/performance.md)",
+    )
     oom_retries: int = Field(
         4,
         ge=0,

@@ -18,6 +18,7 @@ from lmppo.inputs.config import Config, KLConfig, PPOConfig, RewardComponent, Re
 from lmppo.inputs.data import Prompt, PromptStream
 from lmppo.inputs.resolve import EngineSpec, RoleSpec, RunSpec
 from lmppo.math import core
+from lmppo.modeling.compile import compile_layers
 from lmppo.modeling.distributed import CommCounter, data_parallel, shard_models
 from lmppo.modeling.loading import (
     DTYPES,
@@ -435,5 +436,7 @@ def build_trainer(
         comm_counter,
         ptx_batches,
     )
+    if cfg.run.compile:  # after the snapshot engine copied the policy: its decode loop stays eager
+        compile_layers(models.policy, models.value, models.reference)
     trainer_class = BestOfNTrainer if spec.algorithm == "best_of_n" else PPOTrainer  # its step differs
     return trainer_class(cfg, spec, parts, group=group, rank=rank)

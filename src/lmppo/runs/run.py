@@ -31,6 +31,7 @@ from lmppo.inputs.resolve import (
     resolve,
     resolve_device,
 )
+from lmppo.modeling.compile import cache_dir
 from lmppo.modeling.distributed import (
     DistInfo,
     any_rank,
@@ -154,7 +155,7 @@ def _train(
             ) as progress,
         ):
             if checkpoint is None:  # an advisory once per run directory, not at every resume
-                progress.note(numerics_line(spec))
+                progress.note(numerics_line(spec, cfg.run.compile))
             try:
                 with phase("checking the memory plan"):
                     plan = check_plan(cfg, spec, force)  # no OOM an hour in
@@ -194,12 +195,16 @@ def finished_note(cfg: Config) -> str:
     )
 
 
-def numerics_line(spec: RunSpec) -> str:
+def numerics_line(spec: RunSpec, compiled: bool = False) -> str:
     """The run's numerics as decided, and why (``run.precision=auto`` depends on the machine)."""
     matmuls = (
         "" if spec.fp32_matmul_precision == "highest" else f", fp32 matmuls {spec.fp32_matmul_precision}"
     )
-    return f"precision {spec.precision}{matmuls} on {spec.device.type}: {spec.precision_reason}"
+    return f"precision {spec.precision}{matmuls} on {spec.device.type}: {spec.precision_reason}" + (
+        f"; decoder layers compiled for the update and the stored passes (cache: {cache_dir()})"
+        if compiled
+        else ""
+    )
 
 
 @contextlib.contextmanager

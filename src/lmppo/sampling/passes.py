@@ -11,6 +11,7 @@ from torch import nn
 
 from lmppo.math import core
 from lmppo.math.core import last_response_index
+from lmppo.modeling.compile import whole_sequences
 from lmppo.modeling.models import ValueModel, checkpointed_layers, checkpointing, eval_mode
 from lmppo.sampling.rollout import Rollout, stored_pass_batches
 
@@ -105,7 +106,7 @@ def sequence_logprobs(
     ``forward_batch_tokens`` positions at a time.
     """
     pieces = []
-    with torch.inference_mode(), eval_mode(model):
+    with torch.inference_mode(), eval_mode(model), whole_sequences():
         for index, mb in stored_pass_batches(rollout, forward_batch_size, forward_batch_tokens):
             pieces.append((index, response_logprobs(model, mb, temperature)[0]))
         logp = scatter_rows(pieces, len(rollout), rollout.response_ids.shape[1])
@@ -131,7 +132,7 @@ def value_predictions(
     for truncated rows, **0 for terminated rows** (ready for ``core.gae``).
     """
     values, bootstrap = [], []
-    with torch.inference_mode(), eval_mode(value_model):
+    with torch.inference_mode(), eval_mode(value_model), whole_sequences():
         for index, mb in stored_pass_batches(rollout, forward_batch_size, forward_batch_tokens):
             v = state_values(value_model, mb)
             after_last = v.gather(1, (last_response_index(mb.response_mask) + 1).unsqueeze(1)).squeeze(1)
@@ -160,7 +161,7 @@ class PolicyAndValue(nn.Module):
         self.checkpointed = checkpointed_layers(self)  # ppo.gradient_checkpointing: recomputed in backward
 
     def forward(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        with checkpointing(self.checkpointed):
+        with checkpointing(self.checkpointed), whole_sequences():
             if self.value_model is None:
                 return *response_logprobs(self.policy, batch), None
             if self.value_model.shared_trunk:

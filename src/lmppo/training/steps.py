@@ -26,11 +26,12 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from lmppo.errors import LmppoError
+from lmppo.errors import LmppoError, warn
 from lmppo.inputs.config import Config
 from lmppo.inputs.data import PromptStream
 from lmppo.inputs.resolve import RunSpec
 from lmppo.math import core
+from lmppo.modeling.compile import compiled_graphs
 from lmppo.modeling.distributed import (
     CommCounter,
     all_sum,
@@ -87,6 +88,7 @@ class Stepper:
         self.policy_version = 0  # steps that changed the policy; each rollout records the one it saw
         self.episodes = 0  # responses generated (all ranks)
         self.tokens = 0  # response tokens generated (all ranks)
+        self.graphs_seen = 0  # run.compile: graphs compiled by the last step's end (perf/compiles)
         self.sampling_metrics: dict[str, float] = {}  # rollout.dynamic_sampling's counts of this step
         self.decode_loop = decode_loop(self.generator, spec)  # whose batch budget shrinks on out-of-memory
         # rollout.asynchronous: the next batch samples on a worker thread while this one is updated on
@@ -344,7 +346,21 @@ class Stepper:
         metrics["perf/trained_state_mb"] = trained_state_bytes(self.optimizer) / 2**20
         metrics.update(self.sampling_metrics)
         metrics.update(self.budgets.metrics())
+        if self.cfg.run.compile:
+            metrics["perf/compiles"] = self.compiles()
         return metrics
+
+    def compiles(self) -> float:
+        """``run.compile``: graphs compiled so far, with a warning when a step past the second adds one
+        (shapes or guards that keep changing: each new graph costs a compile)."""
+        graphs = compiled_graphs()
+        if self.step_count > 2 and graphs > self.graphs_seen:
+            warn(
+                f"step {self.step_count} compiled {graphs - self.graphs_seen} more graph(s), {graphs} in all: "
+                "something about the passes keeps changing (a model, a precision, a grad mode); each costs a compile"
+            )
+        self.graphs_seen = graphs
+        return float(graphs)
 
     def sync_generator(self, seconds: dict[str, float] | None = None) -> None:
         """Give an engine that samples from its own copy of the weights (vLLM, a snapshot) the current
