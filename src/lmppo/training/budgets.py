@@ -113,11 +113,9 @@ class TokenBudgets:
 
 def out_of_memory_error(err: torch.OutOfMemoryError, budgets: TokenBudgets, world_size: int) -> OutOfMemory:
     """An out-of-memory error no phase could redo: several ranks, or an engine with its own memory (vLLM)."""
-    where = (
-        f"{world_size} ranks cannot redo a phase (the others wait in a collective)"
-        if world_size > 1
-        else ("the phase that ran out cannot be redone with a smaller budget")
-    )
+    where = "the phase that ran out cannot be redone with a smaller budget"
+    if world_size > 1:
+        where = f"{world_size} ranks cannot redo a phase (the others would wait in a collective)"
     halve = ", ".join(
         f"{key}={b // 2}" for phase, key in BUDGET_KEYS.items() if (b := getattr(budgets, phase))
     )
