@@ -11,7 +11,7 @@ from helpers import comparable, run_cli, toy_trainer, write_config
 from lmppo.runs.checkpoint import latest_checkpoint, load_checkpoint
 from lmppo.sampling.hf_engine import HFGenerator
 from lmppo.training import steps
-from lmppo.training.budgets import OutOfMemory, TokenBudgets
+from lmppo.training.budgets import OutOfMemory, TokenBudgets, out_of_memory_error
 from lmppo.training.metrics import read_metrics
 from lmppo.training.trainer import PPOTrainer
 
@@ -123,3 +123,12 @@ def test_a_phase_out_of_halvings_stops_the_run_naming_the_budget_and_the_remedie
     err = " ".join(capsys.readouterr().err.split())
     assert "out of memory in the update after ppo.micro_batch_tokens was halved 2 times" in err
     assert "remedies" in err and "step-000000" in err and "Traceback" not in err
+
+
+def test_an_error_no_phase_can_redo_names_half_the_budgets_to_set():
+    err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    message = str(out_of_memory_error(err, TokenBudgets(None, 1024, 400), world_size=2))
+    assert "2 ranks cannot redo a phase" in message and "Tried to allocate 2.00 GiB" in message
+    assert "rollout.forward_batch_tokens=512, ppo.micro_batch_tokens=200" in message
+    unset = str(out_of_memory_error(err, TokenBudgets(None, None, None), world_size=1))
+    assert "set the token budgets rollout.generation_batch_tokens" in unset
