@@ -34,7 +34,9 @@ def test_compiled_passes_equal_the_eager_ones_and_the_decode_loop_stays_eager():
         if p.grad is not None:
             torch.testing.assert_close(q.grad, p.grad, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(
-        sequence_logprobs(compiled.reference, rollout), sequence_logprobs(eager.reference, rollout), **TOLERANCE
+        sequence_logprobs(compiled.reference, rollout),
+        sequence_logprobs(eager.reference, rollout),
+        **TOLERANCE,
     )
     torch.testing.assert_close(
         value_predictions(compiled.value_model, rollout)[0],

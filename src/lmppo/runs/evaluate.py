@@ -108,6 +108,7 @@ def evaluate_policy(
     generator: Generator | None = None,
     sample_ids: Sequence[int] | None = None,
     rows: Sequence[dict] | None = None,
+    forward_batching: Mapping | None = None,
 ) -> EvalResult:
     """Sample one response per held-out prompt and measure it (see the module docstring).
 
@@ -119,7 +120,9 @@ def evaluate_policy(
     so every rank returns the same, global result. ``generator``: the run's engine when it has its own
     (vLLM, holding ``policy``'s weights), else the transformers decode loop on ``policy``; ``sample_ids``:
     each prompt's place in the whole held-out set (a seeded engine draws from them); ``rows``: each
-    prompt's whole row, which an episode's environment resets on.
+    prompt's whole row, which an episode's environment resets on; ``forward_batching``: the KL passes'
+    ``forward_batch_size`` / ``forward_batch_tokens``, as the run's stored passes take them (default:
+    the whole batch in one forward).
     """
     if not prompts and group is None:
         raise LmppoError("evaluation: no held-out prompts; check data.eval_prompts")
@@ -132,7 +135,7 @@ def evaluate_policy(
             advance("prompts", min(end, len(prompts)), len(prompts))
             batch_rows = None if rows is None else rows[start:end]
             rollout = generator.generate(prompts[start:end], 0, sample_ids[start:end], batch_rows)
-            measured += _measure(rollout, reward_fn, policy, reference, gold_fn)
+            measured += _measure(rollout, reward_fn, policy, reference, gold_fn, forward_batching or {})
     for row, name in zip(measured, slices or ()):
         row["slice"] = str(name)
     rows = [row for rank_rows in gather_objects(measured, group) for row in rank_rows]
@@ -185,6 +188,10 @@ def run_evaluator(
             generator=generator,
             sample_ids=sample_ids,
             rows=rows,
+            forward_batching={
+                "forward_batch_size": cfg.rollout.forward_batch_size,
+                "forward_batch_tokens": cfg.rollout.forward_batch_tokens,
+            },
         ).metrics
 
     return evaluate
@@ -202,7 +209,9 @@ def _seeded_rng(seed: int, model) -> Iterator[None]:
         yield
 
 
-def _measure(rollout: Rollout, reward_fn, policy, reference, gold_fn) -> list[dict]:
+def _measure(
+    rollout: Rollout, reward_fn, policy, reference, gold_fn, forward_batching: Mapping
+) -> list[dict]:
     """Per-row records of one generated batch."""
     components = (  # several named rewards: each one's raw score too
         reward_fn.raw_scores(rollout.prompts, rollout.response_texts)
@@ -230,7 +239,7 @@ def _measure(rollout: Rollout, reward_fn, policy, reference, gold_fn) -> list[di
         for name in ("turns", "tool_calls", "tool_failures"):
             rows[i][name] = int(getattr(rollout, name)[i])
     if reference is not None:
-        for row, kl in zip(rows, _sequence_kl(policy, reference, rollout).tolist()):
+        for row, kl in zip(rows, _sequence_kl(policy, reference, rollout, forward_batching).tolist()):
             row["kl_ref"] = kl
     for row in rows if gold_fn is not None else ():
         try:
@@ -242,14 +251,14 @@ def _measure(rollout: Rollout, reward_fn, policy, reference, gold_fn) -> list[di
     return rows
 
 
-def _sequence_kl(policy, reference, rollout: Rollout) -> torch.Tensor:
+def _sequence_kl(policy, reference, rollout: Rollout, forward_batching: Mapping) -> torch.Tensor:
     """(B,) per-sequence sum of k1 over the policy's own tokens (the action mask).
 
     The policy's log-probs come from the same full forward as the reference's (not the generation's
     cached pass), so identical models give exactly 0.
     """
-    logp = sequence_logprobs(policy, rollout)
-    logp_ref = sequence_logprobs(reference, rollout)
+    logp = sequence_logprobs(policy, rollout, **forward_batching)
+    logp_ref = sequence_logprobs(reference, rollout, **forward_batching)
     per_token = kl_estimate(logp, logp_ref, "k1")
     return torch.where(rollout.action_mask.bool(), per_token, 0.0).sum(dim=1).cpu()
 

@@ -335,18 +335,7 @@ def phase_bytes(
 
     rollout, rollout_how = _rollout_bytes(cfg, spec, by_role, policy, batch, prompt_tokens)
 
-    # Stored passes (no gradients): logits of a forward batch (compute dtype + fp32 copy + log-softmax).
-    if cfg.rollout.forward_batch_tokens:
-        forward_tokens = min(cfg.rollout.forward_batch_tokens, batch * length)
-        stored_how = f"forwards of <= {forward_tokens} tokens"
-    else:
-        forward_rows = min(cfg.rollout.forward_batch_size or batch, batch)
-        forward_tokens, stored_how = (
-            forward_rows * length,
-            f"{forward_rows} rows x {length} tokens per forward",
-        )
-    stored = forward_tokens * policy.working_per_token(act)
-    stored += forward_tokens * response // length * policy.vocab * (act + 8)
+    stored, stored_how = _stored_pass_bytes(cfg, policy, act, batch, length, response)
     for source in cfg.reward.sources():  # each reward model scores its own batches, one at a time
         shape = shapes.get(f"reward {source.name}" if cfg.reward.components else "reward")
         if shape is not None:
@@ -392,7 +381,31 @@ def phase_bytes(
         "stored passes": stored_how,
         "update": how,
     }
+    if cfg.data.eval_prompts and cfg.run.eval_every:  # held-out batches of their own size
+        rows = cfg.run.eval_batch_size
+        sampled, _ = _rollout_bytes(cfg, spec, by_role, policy, rows, prompt_tokens)
+        kl_passes, _ = _stored_pass_bytes(cfg, policy, act, rows, length, response)
+        phases["evaluation"] = max(sampled, kl_passes)
+        details["evaluation"] = (
+            f"{rows} held-out prompts per batch (run.eval_batch_size): sampled, then KL passes"
+        )
     return phases, details
+
+
+def _stored_pass_bytes(
+    cfg: Config, policy: Shape, act: int, rows: int, length: int, response: int
+) -> tuple[int, str]:
+    """A pass without gradients over ``rows`` rows of ``length`` tokens, in the forwards the config sets:
+    the working set and the logits of one forward (compute dtype + fp32 copy + log-softmax)."""
+    if cfg.rollout.forward_batch_tokens:
+        tokens = min(cfg.rollout.forward_batch_tokens, rows * length)
+        how = f"forwards of <= {tokens} tokens"
+    else:
+        forward_rows = min(cfg.rollout.forward_batch_size or rows, rows)
+        tokens, how = forward_rows * length, f"{forward_rows} rows x {length} tokens per forward"
+    return tokens * policy.working_per_token(act) + tokens * response // length * policy.vocab * (
+        act + 8
+    ), how
 
 
 def _rollout_bytes(
