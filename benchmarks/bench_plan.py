@@ -7,7 +7,8 @@ at its start (the manifest's ``memory_plan``), against the largest ``perf/peak_r
     .venv/bin/python benchmarks/bench_plan.py --rows toy "smollm2 fp32"        # some of them
 
 The toy rows need a quickstart world (``lmppo quickstart``: runs/quickstart); the SmolLM2 rows the GGUF
-converted by ``python examples/smollm2/prepare.py``. Prints a Markdown table and one JSON line.
+converted by ``python examples/smollm2/prepare.py``, the calculator row its SFT policy
+(examples/smollm2_calculator/README.md). Prints a Markdown table and one JSON line.
 """
 
 from __future__ import annotations
@@ -24,12 +25,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = "examples/smollm2/ppo_judge.yaml"
 TOY = "examples/toy_gold_reward.yaml"
+CALCULATOR = "examples/smollm2_calculator/ppo.yaml"
 ROWS = {  # name -> (config, overrides)
     "toy fp32": (TOY, []),
     "smollm2 fp32": (SMOLLM2, []),
-    "smollm2 bf16": (SMOLLM2, ["run.precision=bf16"]),
+    # small: bf16 matmuls are emulated, and slow, on a CPU without AVX512-BF16 or AMX
+    "smollm2 bf16 (4 prompts x 8 tokens)": (
+        SMOLLM2,
+        ["run.precision=bf16", "rollout.batch_size=4", "rollout.max_new_tokens=8", "ppo.minibatch_size=4"],
+    ),
     "smollm2 int8 base (QLoRA)": (SMOLLM2, ["models.policy.quantize=int8"]),
     "smollm2 nf4 base (QLoRA)": (SMOLLM2, ["models.policy.quantize=nf4"]),
+    "smollm2 calculator (3-turn episodes with a tool)": (CALCULATOR, []),
 }
 
 
@@ -42,8 +49,8 @@ def world_overrides(config: str, world: Path, out: Path) -> list[str]:
             f"models.policy.path={world / 'sft'}",
             f"data.prompts={world / 'world/data/prompts_train.jsonl'}",
         ]
-    else:
-        source, paths = ROOT / "examples/smollm2/data/prompts_test.jsonl", []
+    else:  # the example's own held-out prompts
+        source, paths = ROOT / Path(config).parent / "data" / "prompts_test.jsonl", []
     held_out.write_text("".join(source.read_text().splitlines(keepends=True)[:32]))
     return [*paths, f"data.eval_prompts={held_out}"]
 

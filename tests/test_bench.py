@@ -188,7 +188,7 @@ def test_bench_gpu_dry_run_plans_every_row_for_a_139_gib_gpu(tmp_path):
     from bench_gpu import ROWS
 
     assert len(plans) == len(ROWS) and all(line.endswith(", fits") for line in plans), done.stdout
-    assert "llama-1b bf16 24 GB config: plan 21.0 GiB" in done.stdout  # examples/llama_1b/ppo_24gb.yaml
+    assert "llama-1b bf16 24 GB config: plan 20.4 GiB" in done.stdout  # examples/llama_1b/ppo_24gb.yaml
 
 
 def test_ablation_resumes_from_its_results_and_reports_aborted_seeds(tmp_path, monkeypatch, capsys):

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import run_cli
 from rich.console import Console
 
@@ -206,3 +207,37 @@ def test_a_response_longer_than_the_context_is_refused_by_the_context_check_not_
 
     with pytest.raises(LmppoError, match=r"rollout.max_new_tokens=200 leaves no room .* 128-token context"):
         memory_plan(load_config(run_files, ["rollout.max_new_tokens=200"]))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["models.policy_lora.enabled=true"],
+        ["models.policy_lora.enabled=true", "models.policy_lora.target_modules=all-linear"],
+    ],
+    ids=["full", "lora-attention", "lora-all-linear"],
+)
+def test_the_saved_activations_are_what_autograd_keeps_for_the_backward(run_files, overrides):
+    """The plan's per-token activations of the update against the tensors autograd saves inside the decoder
+    layers on a forward with gradients (each storage once, weights left out): within 15 %."""
+    cfg = load_config(run_files, overrides)
+    policy = load_models(cfg, resolve(cfg, device="cpu")).policy
+    weights = {p.untyped_storage().data_ptr() for p in policy.parameters()}
+    inside, saved = [False], {}
+
+    def pack(tensor):
+        address = tensor.untyped_storage().data_ptr()
+        if inside[0] and address not in weights:
+            saved[address] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    for layer in (m for m in policy.modules() if type(m).__name__.endswith("DecoderLayer")):
+        layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+        layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    input_ids = torch.randint(3, policy.config.vocab_size, (4, 24))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        policy(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits.sum().backward()
+    shape = plan_module.Shape.of(policy.config, policy)
+    planned = input_ids.numel() * shape.saved_per_token(4, checkpointing=False)
+    assert abs(planned / sum(saved.values()) - 1) < 0.15, (planned, sum(saved.values()))

@@ -7,7 +7,7 @@ weight is an fp32 master (4) + its gradient (4) + Adam's two moments (8) = 16 by
 dtype's size. The three phases of a step use memory one after the other, so the peak is the models plus the
 largest phase: the rollout's KV cache, the stored passes' logits, the update's activations. Activations are
 estimated per decoder layer and token from the architecture's widths with constants measured on CPU
-(docs/performance.md states the error against measured peaks).
+(docs/memory.md: the plan against the measured peak of every example config).
 """
 
 from __future__ import annotations
@@ -35,17 +35,27 @@ from lmppo.sampling.hf_engine import prompt_room
 GIB = 2**30
 CUDA_CONTEXT_BYTES = GIB // 2  # the CUDA context and kernels: outside torch's allocator
 # What a decoder layer keeps for its backward, per token, in hidden-wide and intermediate-wide tensors of
-# the compute dtype: fitted to SmolLM2's measured peaks (docs/performance.md), as is LOGIT_BYTES, the bytes
-# per response token and vocabulary entry of the update's logits beyond the compute-dtype ones (the fp32
-# copy, the tempered copy, log-softmax, the entropy's softmax, their gradients).
-SAVED_HIDDEN, SAVED_MLP = 3, 2
-LOGIT_BYTES = 24
-WORKING_HIDDEN, WORKING_MLP = 2, 3
-# On CPU, glibc's heap keeps blocks the update freed (its mmap threshold adapts upward), so a run's resident
-# peak exceeds what is allocated at once by up to this share of the largest phase (SmolLM2: 0.5-0.8; with
-# MALLOC_MMAP_THRESHOLD_=131072 it is 0, but the update is 1.5x slower). torch's CUDA allocator reports
-# allocated bytes apart (max_memory_allocated), so CUDA plans carry none.
-CPU_HEAP_RETENTION = 0.5  # what one layer holds at a time in a pass without gradients
+# the compute dtype, counted from the tensors autograd saves (benchmarks/probe_memory.py, docs/memory.md).
+# On the gradient's path a layer keeps its residual stream, q, k and v after rotary (k and v repeated to
+# every head), the attention's output and the MLP's gate, up and silu(gate): SAVED_HIDDEN, SAVED_MLP. A
+# trained MLP (in full or by LoRA) also keeps the inputs of its linears, TRAINED_MLP_INPUTS; trained norm
+# weights their normalized inputs, TRAINED_NORM_INPUTS. Measured: LoRA on attention 6.2-6.7 hidden-wide +
+# 3 intermediate-wide, LoRA on every linear 8.3-8.5 + 4, trained in full 9.3-10.4 + 4. The norms keep
+# NORM_INPUTS of the hidden-wide ones in float32 whatever the compute dtype (transformers upcasts in them).
+SAVED_HIDDEN, SAVED_MLP, NORM_INPUTS = 6.5, 3, 2
+TRAINED_MLP_INPUTS = (2, 1)  # hidden-wide, intermediate-wide
+TRAINED_NORM_INPUTS = 1
+# The update's logits, per response token and vocabulary entry, beyond the compute-dtype ones it keeps: their
+# gradient and a copy of it (12 bytes in all measured in fp32; the log-prob sweep itself goes a chunk of rows
+# at a time). A pass without gradients keeps the compute-dtype logits alone.
+UPDATE_LOGIT_BYTES = 8
+WORKING_HIDDEN, WORKING_MLP = 2, 3  # what one layer holds at a time in a pass without gradients
+# On CPU, glibc's heap keeps the blocks an earlier phase freed (lmppo maps nothing apart and never trims, so
+# that a step does not fault its pages in again: modeling/models.py), and they fit the next phase's blocks
+# badly: a run's resident peak exceeds what is allocated at once by this share of its largest phase (0.79
+# and 0.80 measured on SmolLM2's update in fp32 and on an int8 base: docs/memory.md). torch's CUDA
+# allocator reports allocated bytes apart (max_memory_allocated), so CUDA plans carry none.
+CPU_HEAP_RETENTION = 0.8
 
 
 @dataclass(frozen=True)
@@ -57,9 +67,12 @@ class Shape:
     intermediate: int
     kv_width: int  # key (= value) width per token and layer: kv heads x head dim
     vocab: int
+    mlp_trained: bool = True  # a weight of the MLP is trained, in full or by LoRA
+    norms_trained: bool = True
 
     @classmethod
-    def of(cls, config) -> Shape:
+    def of(cls, config, model=None) -> Shape:
+        """The widths in ``config``; what ``model`` (on the meta device, LoRA set up) trains in a layer."""
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -69,11 +82,17 @@ class Shape:
             intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
             kv_width=kv_heads * head_dim,
             vocab=config.vocab_size,
+            **({} if model is None else trained_parts(model)),
         )
 
     def saved_per_token(self, act_bytes: int, checkpointing: bool) -> int:
         """Bytes the backward keeps per token over the whole stack."""
-        full_layer = act_bytes * (SAVED_HIDDEN * self.hidden + SAVED_MLP * self.intermediate)
+        hidden, mlp = SAVED_HIDDEN, SAVED_MLP
+        if self.mlp_trained:
+            hidden, mlp = hidden + TRAINED_MLP_INPUTS[0], mlp + TRAINED_MLP_INPUTS[1]
+        hidden += TRAINED_NORM_INPUTS if self.norms_trained else 0
+        compute_dtype = act_bytes * ((hidden - NORM_INPUTS) * self.hidden + mlp * self.intermediate)
+        full_layer = int(compute_dtype) + 4 * NORM_INPUTS * self.hidden
         if checkpointing:  # each layer keeps its input; one layer is recomputed at a time
             return self.layers * act_bytes * self.hidden + full_layer
         return self.layers * full_layer
@@ -88,6 +107,16 @@ class Shape:
 
     def working_per_token(self, act_bytes: int) -> int:
         return act_bytes * (WORKING_HIDDEN * self.hidden + WORKING_MLP * self.intermediate)
+
+
+def trained_parts(model) -> dict[str, bool]:
+    """Whether ``model``'s decoder layers train a weight of their MLP and of their norms (Llama-style names)."""
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
+    trained = [name for name, param in layer.named_parameters() if param.requires_grad]
+    return {
+        "mlp_trained": any("mlp" in name for name in trained),
+        "norms_trained": any("norm" in name for name in trained),
+    }
 
 
 @dataclass
@@ -175,14 +204,22 @@ class MemoryPlan:
         return sum(row.host for row in self.models)
 
     @property
+    def largest(self) -> str:
+        """The phase the peak comes with: a load's conversion, or the step's largest phase with what the heap
+        keeps after it (a load ends, and its file pages are unmapped, before the first step)."""
+        step = max((phase for phase in self.phases if phase != "loading"), key=self.phases.get)
+        loading = self.phases.get("loading", 0)
+        return "loading" if loading > self.phases[step] * (1 + self.heap_retention) else step
+
+    @property
     def retained(self) -> int:
-        """What the heap keeps of the step's phases (file pages read while loading are unmapped after)."""
-        return int(self.heap_retention * max(v for k, v in self.phases.items() if k != "loading"))
+        """What the heap keeps of the step's phases at the peak (none at a load's)."""
+        return 0 if self.largest == "loading" else int(self.heap_retention * self.phases[self.largest])
 
     @property
     def needed_per_rank(self) -> int:
         """Bytes one rank takes beyond the running process: the models and the largest phase."""
-        return self.static + max(self.phases.values()) + self.retained
+        return self.static + self.phases[self.largest] + self.retained
 
     @property
     def peak(self) -> int:
@@ -238,7 +275,7 @@ def model_rows(cfg: Config, spec: RunSpec) -> tuple[list[ModelRow], dict[str, Sh
     base = _meta_model(policy_config)
     quantized = quantized_count(base, spec.policy)
     policy = with_lora(base, spec.policy.lora)
-    shapes = {"policy": Shape.of(policy_config)}
+    shapes = {"policy": Shape.of(policy_config, policy)}
     rows = [_row(spec.policy, *_counts(policy), quantized)]
     conversions = [conversion_bytes(spec.policy.source)]
 
@@ -273,6 +310,8 @@ def model_rows(cfg: Config, spec: RunSpec) -> tuple[list[ModelRow], dict[str, Sh
     elif not spec.value.shares:
         shapes["value"] = first_reward_shape if spec.value.init_from == "reward" else shapes["policy"]
     value = make_value_model(sized, backbone_of, first_reward_model)
+    if not spec.value.shares:
+        shapes["value"] = replace(shapes["value"], **trained_parts(value))
     rows.append(_row(spec.value, *_counts(value.head if spec.value.shares else value)))
     return rows, shapes, max(conversions)
 
@@ -361,7 +400,7 @@ def phase_bytes(
     saved = tokens * policy.saved_per_token(act, checkpointing)
     if critic is not None:  # a separate critic (a shared one is the policy's trunk)
         saved += tokens * critic.saved_per_token(act, checkpointing)
-    logits = tokens * response // length * policy.vocab * (act + LOGIT_BYTES)
+    logits = tokens * response // length * policy.vocab * (act + UPDATE_LOGIT_BYTES)
     trained = sum(row.trained for row in rows)
     if by_role["policy"].shards > 1:  # FSDP2: what is gathered whole on top of each rank's shards
         rollout, stored, update_gathers = _gathered_bytes(cfg, by_role, shapes, act, rollout, stored)
@@ -396,16 +435,15 @@ def _stored_pass_bytes(
     cfg: Config, policy: Shape, act: int, rows: int, length: int, response: int
 ) -> tuple[int, str]:
     """A pass without gradients over ``rows`` rows of ``length`` tokens, in the forwards the config sets:
-    the working set and the logits of one forward (compute dtype + fp32 copy + log-softmax)."""
+    the working set and the logits of one forward (the log-probs are swept a chunk of rows at a time)."""
     if cfg.rollout.forward_batch_tokens:
         tokens = min(cfg.rollout.forward_batch_tokens, rows * length)
         how = f"forwards of <= {tokens} tokens"
     else:
         forward_rows = min(cfg.rollout.forward_batch_size or rows, rows)
         tokens, how = forward_rows * length, f"{forward_rows} rows x {length} tokens per forward"
-    return tokens * policy.working_per_token(act) + tokens * response // length * policy.vocab * (
-        act + 8
-    ), how
+    logits = tokens * response // length * policy.vocab * act
+    return tokens * policy.working_per_token(act) + logits, how
 
 
 def _rollout_bytes(
@@ -679,7 +717,7 @@ def plan_report(plan: MemoryPlan) -> Group:
     phases = Table(title="one step (the phases follow one another: the largest counts)")
     for column in ("phase", "memory", "sized by"):
         phases.add_column(column, justify="right" if column == "memory" else "left")
-    largest = max(plan.phases, key=plan.phases.get)
+    largest = plan.largest
     for phase, nbytes in plan.phases.items():
         phases.add_row(f"{phase} (peak)" if phase == largest else phase, size(nbytes), plan.details[phase])
     lines = [
