@@ -8,8 +8,8 @@ run on CPU: the numbers ``runs/plan.py``'s constants are fitted to (docs/memory.
   use (``mallinfo2``: ``uordblks + hblkhd``) above the phase's start, polled every millisecond by a thread.
   That is what the plan's phase rows estimate; the resident peak adds the heap's retention on top.
 - For the first micro-batch of the update: the bytes of the tensors autograd saves for the backward, inside
-  decoder layers (in all, per token and layer, and by dtype and last dimension) and outside them (the logits), counted once
-  per storage and leaving out parameters.
+  decoder layers (in all, per token and layer, and by dtype and last dimension) and outside them (the
+  logits), counted once per storage and leaving out parameters.
 
 Prints one JSON line ``probe {...}`` at exit. Linux (glibc) only; the polling slows the run down.
 """
@@ -119,13 +119,12 @@ def count_saved(original):
         for w, b, dtype, width in seen.values():
             if w == "layer":
                 by_width[f"{dtype} x {width}"] += b
-        per_token_layer = inside / max(tokens * max(len(layers), 1), 1)
         SAVED.update(
             tokens=tokens,
             layers=len(layers),
             inside_mib=round(inside / MIB, 1),
             outside_mib=round(sum(b for w, b, *_ in seen.values() if w == "outside") / MIB, 1),
-            per_token_layer_bytes=round(per_token_layer),
+            per_token_layer_bytes=round(inside / (tokens * len(layers))) if layers else None,
             by_width_mib={k: round(v / MIB, 1) for k, v in by_width.most_common()},
         )
         return result
