@@ -123,7 +123,7 @@ def test_bench_memory_runs_every_mode(tmp_path):
 @pytest.mark.slow
 def test_bench_gpu_runs_on_cpu_too(tmp_path):
     """The GPU benchmark's code path, at its smallest size on CPU (CI has no GPU): random SmolLM2 weights
-    in a fresh process, stopped once its steps are logged, the plan within 25 % of the measured peak RSS,
+    in a fresh process, stopped once its steps are logged, the plan within 15 % of the measured peak RSS,
     and the table and JSON lines written for a cut-off run to keep."""
     args = [
         "--device",
@@ -142,7 +142,7 @@ def test_bench_gpu_runs_on_cpu_too(tmp_path):
     )
     result = report["results"]["smollm2-135m fp32"]
     assert "error" not in result, result
-    assert result["step_s"] > 0 and result["peak_mb"] > 0 and abs(result["plan_error"]) < 0.25
+    assert result["step_s"] > 0 and result["peak_mb"] > 0 and abs(result["plan_error"]) < 0.15
     assert result["params_m"] == 135 and result["gen_tflops"] > 0
     assert "| smollm2-135m fp32 (135M) |" in (tmp_path / "gpu_bench.md").read_text()
     assert json.loads((tmp_path / "gpu_bench.jsonl").read_text())["row"] == "smollm2-135m fp32"

@@ -640,8 +640,8 @@ class RunConfig(Section):
     compile: bool = Field(
         False,
         description="torch.compile the decoder layers for the update and the stored passes (the decode loop "
-        "stays eager): fused element-wise kernels after a compile of minutes, cached on disk for the next "
-        "run (docs/performance.md)",
+        "stays eager): fused element-wise kernels after a compile of about a minute, cached on disk so the "
+        "next run starts in seconds; on a CPU it needs a C++ compiler (docs/performance.md)",
     )
     oom_retries: int = Field(
         4,

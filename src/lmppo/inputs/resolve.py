@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -124,6 +126,7 @@ def resolve(
     precision, precision_reason = resolve_precision(cfg.run.precision, device)
     check_distributed(cfg, world_size)
     check_engine(cfg)
+    check_compiler(cfg, device)
     if cfg.run.algorithm == "best_of_n" and world_size > 1:
         raise LmppoError(
             "best-of-n runs in one process (each rank would keep another number of winners, and its SFT "
@@ -547,6 +550,19 @@ def check_episodes(cfg: Config) -> None:
             f"rollout.max_total_tokens={cfg.rollout.max_total_tokens} is below rollout.max_new_tokens="
             f"{cfg.rollout.max_new_tokens}, so not even one turn fits; raise it or leave it unset"
         )
+
+
+def check_compiler(cfg: Config, device: torch.device) -> None:
+    """``run.compile`` on a CPU builds C++ kernels: refuse it before the first step when no compiler is
+    on PATH (inductor would fail inside the step, in a traceback)."""
+    if not cfg.run.compile or device.type != "cpu":
+        return
+    if os.environ.get("CXX") or any(shutil.which(cxx) for cxx in ("g++", "clang++", "c++")):
+        return
+    raise LmppoError(
+        "run.compile on a CPU builds C++ kernels, and no C++ compiler is on PATH (g++, clang++ or $CXX): "
+        "install one (`apt install g++`, `xcode-select --install`) or set run.compile=false"
+    )
 
 
 def require_torchao(what: str) -> None:

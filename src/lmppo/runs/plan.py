@@ -50,11 +50,13 @@ TRAINED_NORM_INPUTS = 1
 # at a time). A pass without gradients keeps the compute-dtype logits alone.
 UPDATE_LOGIT_BYTES = 8
 WORKING_HIDDEN, WORKING_MLP = 2, 3  # what one layer holds at a time in a pass without gradients
-# On CPU, glibc's heap keeps the blocks an earlier phase freed (lmppo maps nothing apart and never trims, so
-# that a step does not fault its pages in again: modeling/models.py), and they fit the next phase's blocks
-# badly: a run's resident peak exceeds what is allocated at once by this share of its largest phase (0.79
-# and 0.80 measured on SmolLM2's update in fp32 and on an int8 base: docs/memory.md). torch's CUDA
-# allocator reports allocated bytes apart (max_memory_allocated), so CUDA plans carry none.
+# On CPU, glibc's heap keeps the blocks it frees (lmppo maps nothing apart and never trims, so that a step
+# does not fault its pages in again: modeling/models.py). The update's activations, gradients and logits come
+# and go in sizes that fit each other's holes badly: a run's resident peak exceeds what the update holds at
+# once by this share of it (0.79 and 0.80 measured on SmolLM2 in fp32 and on an int8 base: docs/memory.md).
+# The other phases reuse the same few blocks step after step (a rollout peaking at its folded weights' copy
+# kept none: docs/memory.md). torch's CUDA allocator reports allocated bytes apart (max_memory_allocated),
+# so CUDA plans carry none.
 CPU_HEAP_RETENTION = 0.8
 
 
@@ -191,7 +193,7 @@ class MemoryPlan:
     runtime: int  # the process before any model: interpreter, torch, CUDA context
     available: int | None  # bytes this device can still give (all ranks on it together)
     ranks_per_device: int = 1  # processes sharing the device's memory (CPU: every local rank)
-    heap_retention: float = 0.0  # share of the largest phase the allocator keeps after freeing it
+    heap_retention: float = 0.0  # share of the update the allocator keeps beside it (CPU_HEAP_RETENTION)
     details: dict[str, str] = field(default_factory=dict)  # phase -> how it was sized
 
     @property
@@ -205,16 +207,17 @@ class MemoryPlan:
 
     @property
     def largest(self) -> str:
-        """The phase the peak comes with: a load's conversion, or the step's largest phase with what the heap
-        keeps after it (a load ends, and its file pages are unmapped, before the first step)."""
-        step = max((phase for phase in self.phases if phase != "loading"), key=self.phases.get)
-        loading = self.phases.get("loading", 0)
-        return "loading" if loading > self.phases[step] * (1 + self.heap_retention) else step
+        """The phase the peak comes with, counting what the heap keeps beside the update (a load ends, and
+        its file pages are unmapped, before the first step: it keeps none)."""
+        return max(self.phases, key=lambda phase: self.phases[phase] + self._retained_by(phase))
+
+    def _retained_by(self, phase: str) -> int:
+        return int(self.heap_retention * self.phases[phase]) if phase == "update" else 0
 
     @property
     def retained(self) -> int:
-        """What the heap keeps of the step's phases at the peak (none at a load's)."""
-        return 0 if self.largest == "loading" else int(self.heap_retention * self.phases[self.largest])
+        """What the heap keeps beside the largest phase (the update's share on CPU; none beside another)."""
+        return self._retained_by(self.largest)
 
     @property
     def needed_per_rank(self) -> int:
@@ -624,12 +627,12 @@ def remedies(cfg: Config, plan: MemoryPlan) -> list[tuple[str, int]]:
         knobs.append(["ppo.gradient_checkpointing=true"])
     if plan.critic and cfg.models.value.mode == "separate" and not cfg.models.value.lora.enabled:
         knobs.append(["models.value.mode=shared"])
-    if plan.phases["update"] == max(plan.phases.values()):
+    if plan.largest == "update":
         budget = max(
             64, (cfg.ppo.micro_batch_tokens or cfg.ppo.minibatch_size * cfg.rollout.max_new_tokens) // 4
         )
         knobs.append([f"ppo.micro_batch_tokens={budget}", "ppo.micro_batch_size=null"])
-    if plan.phases["stored passes"] == max(plan.phases.values()):
+    if plan.largest == "stored passes":
         rows = max(1, (cfg.rollout.forward_batch_size or cfg.rollout.batch_size) // 4)
         knobs.append([f"rollout.forward_batch_size={rows}"])
     ladder_saved = [(change, saving) for change in rungs if (saving := _saving(cfg, plan, change))]
