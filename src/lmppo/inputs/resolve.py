@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -553,15 +552,19 @@ def check_episodes(cfg: Config) -> None:
 
 
 def check_compiler(cfg: Config, device: torch.device) -> None:
-    """``run.compile`` on a CPU builds C++ kernels: refuse it before the first step when no compiler is
-    on PATH (inductor would fail inside the step, in a traceback)."""
+    """``run.compile`` on a CPU builds C++ kernels: refuse it before the first step when none of the
+    compilers inductor looks for is on PATH (it would fail inside the step, in a traceback)."""
     if not cfg.run.compile or device.type != "cpu":
         return
-    if os.environ.get("CXX") or any(shutil.which(cxx) for cxx in ("g++", "clang++", "c++")):
+    from torch._inductor import config as inductor  # noqa: PLC0415  (its own search list: $CXX or g++)
+
+    searched = [cxx for cxx in inductor.cpp.cxx if cxx]
+    if any(shutil.which(cxx) for cxx in searched):
         return
     raise LmppoError(
-        "run.compile on a CPU builds C++ kernels, and no C++ compiler is on PATH (g++, clang++ or $CXX): "
-        "install one (`apt install g++`, `xcode-select --install`) or set run.compile=false"
+        f"run.compile on a CPU builds C++ kernels, and no C++ compiler is on PATH (inductor looks for "
+        f"{' or '.join(searched)}; $CXX names another): install one (`apt install g++`, "
+        "`xcode-select --install`) or set run.compile=false"
     )
 
 
