@@ -344,6 +344,44 @@ def test_sigkill_at_random_moments_always_resumes_from_an_intact_checkpoint(run_
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(step + 2))
 
 
+# `lmppo ARGS`, SIGKILLed as soon as its first checkpoint (step 0's) is saved: before metrics.jsonl exists
+KILLED_AFTER_THE_FIRST_CHECKPOINT = """
+import os, signal, sys
+from lmppo.interface.cli import main
+from lmppo.runs.run import PPORun
+save = PPORun.save
+def save_and_die(self, *args, **kwargs):
+    save(self, *args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+PPORun.save = save_and_die
+sys.argv = ["lmppo", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.slow
+def test_a_kill_between_the_first_checkpoint_and_the_first_record_loses_no_step_0(run_files):
+    """Step 0's record (the held-out evaluation, the reward pre-flight) rides with the checkpoint: the
+    resumed run writes it back as its first record."""
+    held_out = {"eval_prompts": str(run_files.parent / "prompts.jsonl"), "eval_judge": GOOD_JUDGE}
+    config = write_config(run_files, data=held_out, run={"eval_every": 2})
+    run_dir = run_files.parent / "run"
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_AFTER_THE_FIRST_CHECKPOINT, "ppo", str(config), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    assert latest_checkpoint(run_dir).name == "step-000000" and not (run_dir / "metrics.jsonl").exists()
+    saved = load_checkpoint(latest_checkpoint(run_dir)).state["start"]
+    assert "eval/gold_score" in saved and any(name.startswith("preflight/") for name in saved)
+    assert run_cli("ppo", "--resume", str(run_dir), "run.steps=1") == 0
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [0, 1]
+    assert {k: v for k, v in records[0].items() if k not in ("step", "time")} == saved
+
+
 @pytest.mark.slow
 def test_a_run_directory_has_one_writer_until_its_process_dies(run_files):
     """A second `lmppo ppo` on a live run's directory is refused and changes nothing of it; once the first

@@ -287,6 +287,9 @@ class PPORun:
             )  # then each rank samples its own responses
         self.guards = Guards(cfg.guards)
         self.best: dict = {}  # the step with the best held-out score: step, metric, score
+        # step 0's record, kept in every checkpoint: a kill between the first checkpoint and the first line
+        # of metrics.jsonl would otherwise lose the starting policy's figures for good
+        self.start_record: dict[str, float] = {}
         self.manifest = {
             "config": cfg.model_dump(mode="json"),
             "identities": models.identities,
@@ -317,7 +320,8 @@ class PPORun:
         return run_dir
 
     def resume(self, checkpoint: Checkpoint, allow_config_change: bool) -> None:
-        """Continue from ``checkpoint``: the trainer's whole state, the guards' and the best step so far."""
+        """Continue from ``checkpoint``: the trainer's whole state, the guards', the best step so far and
+        step 0's record."""
         differences = check_compatible(
             checkpoint.manifest,
             self.manifest["config"],
@@ -331,12 +335,13 @@ class PPORun:
         apply_changed_settings(self.trainer, self.cfg, changed)
         self.guards.load_state_dict(checkpoint.state["guards"])
         self.best = dict(checkpoint.state.get("best") or {})
+        self.start_record = checkpoint.state.get("start") or {}  # absent from checkpoints of older lmppo
         self.resumed = True
 
     def save(self, tag: str, is_best: bool = False) -> Path | None:
         """Every rank calls it; rank 0 writes and gets the path. ``is_best``: this step has the best
         held-out score so far (``best`` points at it)."""
-        extra = {"guards": self.guards.state_dict(), "best": self.best or None}
+        extra = {"guards": self.guards.state_dict(), "best": self.best or None, "start": self.start_record}
         with phase(f"saving the checkpoint of step {self.trainer.step_count}"):
             return save_trainer_checkpoint(
                 self.trainer,
@@ -374,7 +379,7 @@ class PPORun:
                 dist_info.rank, dist_info.world_size, dist_info.group, self.engine, self.prompt_rows,
             )  # fmt: skip
 
-    def start(self) -> dict[str, float]:
+    def start(self) -> None:
         """Step 0 of a new run: the starting policy's evaluation and reward pre-flight, what every later
         record is read against, saved as the first last-known-good checkpoint."""
         start: dict[str, float] = {}
@@ -403,8 +408,8 @@ class PPORun:
             if preflight is not None:
                 write_preflight_json(self.run_dir, preflight)
         self.guards.start(start)
+        self.start_record = {name: float(value) for name, value in start.items()}  # JSON in the checkpoint
         self.save("ok", is_best=self.improves_best(start))
-        return start
 
     def write_config(self) -> None:
         """``config.yaml``: the settings the run goes on with, for the next plain ``--resume``."""
@@ -416,7 +421,8 @@ class PPORun:
         cfg, trainer, is_main = self.cfg, self.trainer, self.dist_info.is_main
         if self.resumed and is_main:
             self.write_config()
-        start = {} if self.resumed else self.start()
+        if not self.resumed:
+            self.start()
         self.stop.immediate = False  # from here a signal finishes the step and saves it
         with MetricsLogger(
             self.run_dir,
@@ -430,8 +436,9 @@ class PPORun:
                 read_metrics(self.run_dir) if self.resumed and (self.run_dir / METRICS_FILE).is_file() else []
             )
             self.live = LiveDiagnosis(cfg.diagnosis, [r for r in earlier if r["step"] <= trainer.step_count])
-            if start:
-                self.log(0, start)
+            # a new run's first record; a resumed run's too when a kill lost it (never twice)
+            if self.start_record and not any(r["step"] == 0 for r in earlier):
+                self.log(0, self.start_record)
             self.progress.begin_steps(trainer.step_count)
             improved = False
             while trainer.step_count < cfg.run.steps:
