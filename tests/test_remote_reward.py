@@ -1,14 +1,18 @@
 """The reward.url client against servers on 127.0.0.1, polite and not: it never hangs past its deadline,
 never trains on numbers nobody computed for its responses, and retries only what a retry may mend."""
 
+import functools
 import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
+import tracemalloc
+import zlib
 
 import pytest
 import yaml
@@ -72,6 +76,24 @@ def raw_server(answer):
 def head(status="200 OK", length=None, extra=b""):
     size = b"" if length is None else b"Content-Length: %d\r\n" % length
     return b"HTTP/1.1 " + status.encode() + b"\r\n" + size + extra + b"\r\n"
+
+
+def encoded(body, encoding="gzip"):
+    """A whole answer whose body is sent as is under ``Content-Encoding: encoding``."""
+    return head(length=len(body), extra=b"Content-Encoding: " + encoding.encode() + b"\r\n") + body
+
+
+@functools.cache
+def zeros_gzip(mib):
+    """``mib`` MiB of zeros as one gzip member, in about a thousandth of that: one MiB's deflate blocks, cut
+    at full flushes, repeat byte for byte (compressing the zeros themselves would take seconds)."""
+    zeros, deflate = bytes(2**20), zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    modes = (zlib.Z_FULL_FLUSH, zlib.Z_FULL_FLUSH, zlib.Z_FINISH)
+    first, again, last = (deflate.compress(zeros) + deflate.flush(mode) for mode in modes)
+    crc = 0
+    for _ in range(mib):
+        crc = zlib.crc32(zeros, crc)
+    return first + again * (mib - 2) + last[:-8] + struct.pack("<II", crc, (mib * 2**20) % 2**32)
 
 
 def test_the_client_batches_and_retries_what_failed_on_the_server_side():
@@ -149,8 +171,10 @@ def test_a_redirect_is_refused_never_followed(status):
         head(length=100) + b'{"rewards": [1.0',  # the connection closes mid-body
         b"HTTP/1.1 two hundred OK\r\n\r\n",  # a bad status line
         b"",  # closed before any answer
+        encoded(b"\x1f\x8b\x08\x00 not gzip at all"),
+        encoded(zlib.compress(b'{"rewards": [1.0, 2.0]}', wbits=31)[:-9]),  # its last block and trailer lost
     ],
-    ids=["closed mid-body", "bad status line", "closed at once"],
+    ids=["closed mid-body", "bad status line", "closed at once", "corrupt gzip", "cut gzip"],
 )
 def test_a_broken_answer_is_retried_then_one_clear_error(broken):
     url, requests = raw_server(lambda c: c.sendall(broken))
@@ -163,6 +187,63 @@ def test_an_answer_larger_than_its_rows_can_need_is_refused_without_reading_it_a
     url, _ = raw_server(lambda c: c.sendall(head(length=10**8) + b" " * 2**20))
     with pytest.raises(LmppoError, match="answered more than 65536 bytes for 2 rows"):
         client(url)(PROMPTS[:2], RESPONSES[:2])
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_the_answer_is_asked_for_plain_and_one_layer_of_gzip_or_deflate_is_read(encoding):
+    scores = b'{"rewards": [1.0, 2.0]}'
+    body = zlib.compress(scores, wbits=31 if encoding == "gzip" else zlib.MAX_WBITS)
+    url, requests = raw_server(lambda c: c.sendall(encoded(body, encoding)))
+    assert client(url)(PROMPTS[:2], RESPONSES[:2]).tolist() == [1.0, 2.0]
+    assert b"accept-encoding: identity" in requests[0][0].lower()
+
+
+@pytest.mark.parametrize(
+    "layers, message",
+    [(1, "answered more than 65536 bytes for 2 rows"), (2, "answered in Content-Encoding 'gzip, gzip'")],
+)
+def test_a_gzip_bomb_is_refused_before_it_fills_memory(layers, message):
+    """1 GiB of zeros in 1 MiB of gzip, or in 2 KiB of gzip of gzip: decoded whole it took a trainer to
+    2.5 GB; decoded as it arrives, never past the answer's cap, it takes a few MiB at most."""
+    bomb = zeros_gzip(1024)
+    if layers == 2:
+        bomb = zlib.compress(bomb, 9, wbits=31)
+    url, _ = raw_server(lambda c: c.sendall(encoded(bomb, ", ".join(["gzip"] * layers))))
+    tracemalloc.start()
+    try:
+        with pytest.raises(LmppoError, match=message):
+            client(url)(PROMPTS[:2], RESPONSES[:2])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20  # httpx's first import included; decoded whole, 150 MB and 2.5 GB
+
+
+@pytest.mark.parametrize(
+    "token, flaw",
+    [
+        ("s3cret-XYZ\r", "a carriage return (\\r) at its end"),
+        ("s3cret\nXYZ", "a newline (\\n) at character 7 of 10"),
+        ("s3cret XYZ", "a space at character 7"),
+        ("s3cret\x1bXYZ", "a control character at character 7"),
+        ("s3cr\u00e9tXYZ", "a non-ASCII character at character 5"),
+    ],
+)
+def test_a_token_no_header_can_carry_is_refused_before_any_request_never_shown(monkeypatch, token, flaw):
+    url, requests = raw_server(lambda c: c.sendall(head(length=23) + b'{"rewards": [1.0, 2.0]}'))
+    monkeypatch.setenv("MY_RM_TOKEN", token)
+    with pytest.raises(LmppoError, match="the environment variable MY_RM_TOKEN") as err:
+        client(url, token_env="MY_RM_TOKEN")
+    assert flaw in str(err.value) and "s3cr" not in str(err.value) and "XYZ" not in str(err.value)
+    assert requests == []
+
+
+def test_a_url_no_request_can_be_sent_to_is_one_error_never_a_traceback(run_files, capsys):
+    with pytest.raises(LmppoError, match="is no address a request can be sent to .*OverflowError"):
+        client("http://127.0.0.1:70000/score")(PROMPTS[:2], RESPONSES[:2])  # what the config check refuses
+    assert run_cli("ppo", str(run_files), "reward={url: 'http://127.0.0.1:70000/score'}") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "has the port '70000'" in " ".join(err.split())
 
 
 def test_no_proxy_from_the_environment_and_the_token_from_its_variable(monkeypatch):
@@ -180,6 +261,10 @@ def test_no_proxy_from_the_environment_and_the_token_from_its_variable(monkeypat
         ("file:///etc/passwd", "is not an http(s) URL"),
         ("ftp://host/score", "is not an http(s) URL"),
         ("http://user:pw@127.0.0.1:8000/score", "holds credentials"),
+        ("http://127.0.0.1:70000/score", "has the port '70000', which no server listens on"),
+        ("http://127.0.0.1:port/score", "has the port 'port'"),
+        ("http:///score", "names no host"),
+        ("http://user:pw@[::1/score", "is no URL (Invalid IPv6 URL)"),
     ],
 )
 def test_only_plain_http_urls_without_credentials_are_a_reward_url(run_files, url, message):

@@ -168,20 +168,37 @@ SOURCE_KEYS = tuple(RewardSource.model_fields)
 
 
 def check_reward_url(url: str) -> None:
-    """A reward server's URL: http or https to a host, with no credentials in it (they would be written to
-    config.yaml and every checkpoint's manifest, and echoed in errors)."""
+    """A reward server's URL: http or https to a host and a port a connection can name, with no credentials
+    in it (they would be written to config.yaml and every checkpoint's manifest, and echoed in errors)."""
     from urllib.parse import urlsplit
 
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(
-            f"reward.url {url!r} is not an http(s) URL of a server; give one like http://host:8000/score"
-        )
+    try:
+        parts = urlsplit(url)
+    except ValueError as err:  # an unclosed [ of an IPv6 address; not echoed, it may hold credentials
+        raise ValueError(f"reward.url is no URL ({err}); give one like http://host:8000/score") from None
     if parts.username or parts.password:
         raise ValueError(
             "reward.url holds credentials (user:password@), which would be written to config.yaml and every "
             "checkpoint: remove them and put the server's token in the environment variable "
             "reward.url_token_env names (LMPPO_REWARD_TOKEN)"
+        )
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(
+            f"reward.url {url!r} is not an http(s) URL of a server; give one like http://host:8000/score"
+        )
+    if not parts.hostname:
+        raise ValueError(
+            f"reward.url {url!r} names no host; give the server's address, like http://host:8000/score"
+        )
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or past 65535
+        port = 0
+    if port == 0:
+        raise ValueError(
+            f"reward.url {url!r} has the port {parts.netloc.rpartition(':')[2]!r}, which no server listens on: "
+            "a port is a number from 1 to 65535; give the server's (lmppo serve-rm --port), like "
+            "http://host:8000/score"
         )
 
 
