@@ -1,10 +1,12 @@
 """`lmppo serve-rm` under load (issue 50): concurrent clients against one server on the toy reward model,
-alone and beside idle connections held open, with every answer checked against in-process scoring.
+alone, beside idle connections held open, and beside a hostile flood (one peer holding hundreds of sockets
+while another trickles request heads), with every answer checked against in-process scoring.
 
 One `lmppo serve-rm` process on 127.0.0.1; ``--clients`` threads each POST requests of ``--rows`` rows for
 ``--seconds`` (the rows drawn from the toy world's held-out prompts, or from words when it is missing),
 first alone, then with ``--idle`` connections held open beside them (each reopened when the server closes
-it at its idle timeout). For each phase: requests per second, p50 / p99 latency, errors (anything but a
+it at its idle timeout), then while one peer (127.0.0.2) holds ``--flood`` sockets and another (127.0.0.3)
+trickles ``--trickle`` request heads a byte every half second (each reopened when cut). For each phase: requests per second, p50 / p99 latency, errors (anything but a
 200 with one number per row), the server's peak resident memory, and the answers against the same
 request scored in-process (exactly equal, and the largest difference: a request scored in one model batch
 with another's rows can differ in float32's last bits). The last line is the report as JSON.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import multiprocessing
 import random
 import socket
 import statistics
@@ -40,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--idle", type=int, default=20)
     p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--flood", type=int, default=500)
+    p.add_argument("--trickle", type=int, default=10)
     return p.parse_args(argv)
 
 
@@ -86,24 +91,55 @@ def start_server(rm: Path, rows: int) -> tuple[subprocess.Popen, str]:
     raise SystemExit("serve-rm did not come up within 120 s")
 
 
-def peak_rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str) -> float:
+    """Resident memory now (VmRSS) or at the peak (VmHWM)."""
     status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) / 1024
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith(field))) / 1024
 
 
-def hold_idle(port: int, count: int, stop: threading.Event) -> None:
-    """``count`` connections that never send a byte, each reopened once the server closes it."""
-    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
-    while not stop.wait(0.2):
+def beside(holders: list[tuple], url: str, requests: list[dict], expected: list[list[float]], args) -> dict:
+    """The load while processes of their own (peers, not threads taking the clients' GIL) run
+    ``hold_idle`` with each of ``holders``' arguments."""
+    spawn = multiprocessing.get_context("spawn")
+    stop = spawn.Event()
+    peers = [spawn.Process(target=hold_idle, args=(*h[:2], stop, *h[2:])) for h in holders]
+    for peer in peers:
+        peer.start()
+    time.sleep(3)  # their sockets are open before the clients start
+    try:
+        return load(url, requests, expected, args)
+    finally:
+        stop.set()
+        for peer in peers:
+            peer.join()
+
+
+def hold_idle(
+    port: int, count: int, stop, address: str = "127.0.0.1", every_s: float = 0.2, drip: bool = False
+) -> None:
+    """``count`` connections from ``address`` that never send a byte (``drip``: a header byte each time),
+    looked at every ``every_s`` and each reopened once the server has closed it (or refused it: a peer
+    over its cap reconnects every ``every_s``)."""
+
+    def connect() -> socket.socket:
+        connection = socket.create_connection(("127.0.0.1", port), source_address=(address, 0))
+        connection.setblocking(False)
+        return connection
+
+    held = [connect() for _ in range(count)]
+    while not stop.wait(every_s):
         for i, connection in enumerate(held):
-            connection.setblocking(False)
             try:
-                closed = connection.recv(1) == b""
+                closed = connection.recv(65536) == b""
+                if drip and not closed:
+                    connection.send(b"a")
             except BlockingIOError:
                 closed = False
+            except OSError:
+                closed = True
             if closed:
                 connection.close()
-                held[i] = socket.create_connection(("127.0.0.1", port))
+                held[i] = connect()
     for connection in held:
         connection.close()
 
@@ -160,35 +196,43 @@ def main(argv=None) -> None:
     scorer, _ = load_scorer(str(args.rm), args.rows, None)
     requests = request_rows(args.rm, 64, args.rows)
     expected = [  # each request scored alone, in-process
-        scorer.score_ids(Rows(r["prompts"], r["responses"]).rendered(scorer)).tolist() for r in requests
+        scorer.score_ids(Rows(r["prompts"], r["responses"]).rendered(scorer, 0, args.rows)).tolist()
+        for r in requests
     ]
     server, url = start_server(args.rm, args.rows)
     try:
+        port = int(url.rsplit(":", 1)[1])
+        start_rss = rss_mb(server.pid, "VmRSS")
         report = {"alone": load(url, requests, expected, args)}
-        stop = threading.Event()
-        idle = threading.Thread(target=hold_idle, args=(int(url.rsplit(":", 1)[1]), args.idle, stop))
-        idle.start()
-        report[f"beside {args.idle} idle connections"] = load(url, requests, expected, args)
-        stop.set()
-        idle.join()
-        rss = peak_rss_mb(server.pid)
+        report[f"beside {args.idle} idle connections"] = beside(
+            [(port, args.idle, "127.0.0.1")], url, requests, expected, args
+        )
+        flood = [(port, args.flood, "127.0.0.2", 1.0), (port, args.trickle, "127.0.0.3", 0.5, True)]
+        flooded = f"beside {args.flood} sockets of a peer, {args.trickle} trickled heads"
+        report[flooded] = beside(flood, url, requests, expected, args)
+        report[flooded]["p99_over_alone"] = report[flooded]["p99_ms"] / report["alone"]["p99_ms"]
+        rss = rss_mb(server.pid, "VmHWM")
     finally:
         server.terminate()
         server.wait(30)
     flags = sorted({f for f in ("amx_bf16", "avx512_bf16", "avx2") if f in Path("/proc/cpuinfo").read_text()})
     print(
         f"{datetime.date.today()}, CPU flags {' '.join(flags)}; {args.clients} clients x {args.rows} rows, "
-        f"{args.seconds:g} s per phase; server peak RSS {rss:.0f} MB"
+        f"{args.seconds:g} s per phase; server RSS {start_rss:.0f} MB serving, {rss:.0f} MB at its peak"
     )
     print(
-        f"{'phase':34s} {'req/s':>7s} {'p50 ms':>7s} {'p99 ms':>7s} {'errors':>6s} {'exact':>6s} {'max diff':>9s}"
+        f"{'phase':52s} {'req/s':>7s} {'p50 ms':>7s} {'p99 ms':>7s} {'errors':>6s} {'exact':>6s} {'max diff':>9s}"
     )
     for phase, r in report.items():
         print(
-            f"{phase:34s} {r['requests_per_s']:7.1f} {r['p50_ms']:7.1f} {r['p99_ms']:7.1f} {r['errors']:6d} "
+            f"{phase:52s} {r['requests_per_s']:7.1f} {r['p50_ms']:7.1f} {r['p99_ms']:7.1f} {r['errors']:6d} "
             f"{r['exact_answers']:6.0%} {r['max_abs_diff']:9.2g}"
         )
-    print(json.dumps({"phases": report, "server_peak_rss_mb": rss, "cpu_flags": flags}))
+    print(
+        json.dumps(
+            {"phases": report, "server_rss_mb": start_rss, "server_peak_rss_mb": rss, "cpu_flags": flags}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -126,3 +126,14 @@ def run_files(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+@pytest.fixture(scope="session")
+def saved_rm(tmp_path_factory):
+    tokenizer = build_tokenizer(
+        REWARD_SPECIALS, WORDS, pad="[EOS]", eos="[EOS]", chat_template=REWARD_TEMPLATE
+    )
+    folder = tmp_path_factory.mktemp("rm")
+    LlamaForSequenceClassification(llama_config(tokenizer, num_labels=1)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

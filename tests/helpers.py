@@ -6,11 +6,13 @@ Nothing is downloaded. Models are 2-layer Llamas with hidden size 32, so a forwa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -373,3 +375,34 @@ def fake_server(answers: list):
             pass
 
     return HTTPServer(("127.0.0.1", 0), Handler)
+
+
+@contextlib.contextmanager
+def serve_rm_process(model: str, *flags: str):
+    """A real ``lmppo serve-rm`` process on a free port of 127.0.0.1; yields (base URL, its pid)."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "lmppo", "serve-rm", model, "--port", "0", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        line = server.stdout.readline()  # "scoring with MODEL on http://127.0.0.1:PORT/score ..."
+        match = re.search(r"http://127\.0\.0\.1:(\d+)/score", line)
+        assert match, f"serve-rm did not start: {line!r}"
+        yield f"http://127.0.0.1:{match[1]}", server.pid
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def peer_socket(address: str, port: int) -> socket.socket:
+    """A connection to 127.0.0.1:``port`` from ``address`` (any of 127.0.0.0/8: another peer)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(address, 0))
+
+
+def resident_mb(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory now (VmRSS) or at its peak (VmHWM), from /proc, in MB."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(rf"{field}:\s+(\d+) kB", status)[1]) / 1024

@@ -320,8 +320,9 @@ def test_bench_reward_server_loads_one_server_and_checks_every_answer(tmp_path):
     LlamaForSequenceClassification(llama_config(tokenizer, num_labels=1)).save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
     args = ["--rm", str(tmp_path / "rm"), "--seconds", "1", "--clients", "2", "--idle", "3", "--rows", "4"]
-    report = run_bench(BENCH.parent / "bench_reward_server.py", *args)
-    assert list(report["phases"]) == ["alone", "beside 3 idle connections"]
+    report = run_bench(BENCH.parent / "bench_reward_server.py", *args, "--flood", "80", "--trickle", "2")
+    flooded = "beside 80 sockets of a peer, 2 trickled heads"
+    assert list(report["phases"]) == ["alone", "beside 3 idle connections", flooded]
     assert all(p["errors"] == 0 and p["requests_per_s"] > 0 for p in report["phases"].values())
     assert all(p["exact_answers"] == 1.0 for p in report["phases"].values())  # whole requests, alone-grouped
     assert report["server_peak_rss_mb"] > 0

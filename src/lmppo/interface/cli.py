@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from enum import StrEnum
 from pathlib import Path
@@ -12,6 +13,7 @@ from rich.markup import escape
 from lmppo import __version__
 from lmppo.errors import Interrupted, LmppoError
 from lmppo.errors import console as make_console
+from lmppo.rewards.limits import Limits
 
 app = typer.Typer(
     name="lmppo",
@@ -347,6 +349,9 @@ def _asked(flag: str, what: str) -> str:
     return typer.prompt(what)
 
 
+LIMITS = Limits()  # serve-rm's defaults
+
+
 @app.command("serve-rm")
 def serve_rm(
     model: str = typer.Argument(..., help="A reward model: a transformers directory or a .gguf file."),
@@ -361,25 +366,60 @@ def serve_rm(
     token: str | None = typer.Option(
         None, "--token", envvar="LMPPO_REWARD_TOKEN", help="Bearer token every request must carry."
     ),
-    max_rows: int = typer.Option(4096, "--max-rows", help="Rows one request may hold."),
-    max_body_mb: float = typer.Option(16.0, "--max-body-mb", help="Size one request's body may have, MiB."),
-    max_chars: int = typer.Option(200_000, "--max-chars", help="Characters one text may have."),
-    queue: int = typer.Option(256, "--queue", help="Requests that may wait for the model; more get 503."),
-    timeout_s: float = typer.Option(30.0, "--timeout-s", help="Seconds a request's body may take to arrive."),
+    max_body_mb: float = typer.Option(
+        LIMITS.max_body_bytes / 2**20, "--max-body-mb", help="Size one request's body may have, MiB."
+    ),
+    max_bodies_mb: float = typer.Option(
+        LIMITS.max_bodies_bytes / 2**20,
+        "--max-bodies-mb",
+        help="Size of all bodies being received at once, MiB; more get 503.",
+    ),
+    max_values: int = typer.Option(
+        LIMITS.max_values, "--max-values", help="JSON values one request's body may make."
+    ),
+    max_rows: int = typer.Option(LIMITS.max_rows, "--max-rows", help="Rows one request may hold."),
+    max_messages: int = typer.Option(
+        LIMITS.max_messages, "--max-messages", help="Messages one conversation may hold."
+    ),
+    max_chars: int = typer.Option(
+        LIMITS.max_chars, "--max-chars", help="Characters one row may have (all its texts)."
+    ),
+    max_request_chars: int = typer.Option(
+        LIMITS.max_request_chars,
+        "--max-request-chars",
+        help="Characters one request may have (all its rows).",
+    ),
+    queue: int = typer.Option(
+        LIMITS.queue, "--queue", help="Requests that may wait for the model; more get 503."
+    ),
+    connections: int = typer.Option(
+        LIMITS.connections, "--connections", help="Connections open at once, in all."
+    ),
+    connections_per_client: int = typer.Option(
+        LIMITS.connections_per_client,
+        "--connections-per-client",
+        help="Connections open at once from one address; more get 429.",
+    ),
+    timeout_s: float = typer.Option(
+        LIMITS.timeout_s, "--timeout-s", help="Seconds a request's body may take to arrive."
+    ),
+    idle_s: float = typer.Option(
+        LIMITS.idle_s,
+        "--idle-s",
+        help="Seconds a whole request head may take, from connecting or the last answer.",
+    ),
 ) -> None:
-    """Serve a reward model over HTTP for `reward.url` (the wire format and exposure: docs/rewards.md)."""
-    from lmppo.rewards.reward_server import Limits, require_serving_stack, serve
+    """Serve a reward model over HTTP for `reward.url` (the wire format, limits and exposure: docs/rewards.md)."""
+    from lmppo.rewards.reward_server import require_serving_stack, serve
 
     require_serving_stack()
     if chat_template is not None and not chat_template.is_file():
         raise LmppoError(f"--chat-template {chat_template}: no such file; give a Jinja template file")
     _quiet_transformers_unless_verbose()
-    limits = Limits(
+    limits = Limits(  # the flags are named as the limits are, but for the two sizes given in MiB
         max_body_bytes=int(max_body_mb * 2**20),
-        max_rows=max_rows,
-        max_chars=max_chars,
-        queue=queue,
-        timeout_s=timeout_s,
+        max_bodies_bytes=int(max_bodies_mb * 2**20),
+        **{name: value for name, value in locals().items() if name in dataclasses.asdict(LIMITS)},
     )
     template = chat_template.read_text() if chat_template else None
     serve(model, host, port, batch_size=batch_size, chat_template=template, token=token, limits=limits)

@@ -5,12 +5,18 @@ An ASGI app (Starlette) on uvicorn (``pip install 'lmppo[serve]'``), made to fac
 - ``POST /score`` (also ``/get_reward``, OpenRLHF's path) takes ``{"prompts": [...], "responses": [...]}``,
   rendered with the reward model's own tokenizer and chat template (no text becomes a control token), or
   OpenRLHF's ``{"query": [whole texts]}``, rendered as OpenRLHF's server does; it answers
-  ``{"rewards": [...]}``. ``GET /health`` says which model serves, on what device, and the queue's depth.
-- Limits, each refused with a JSON ``{"error": ...}``: the body's size (413), rows per request and
-  characters per text (400), a body that does not arrive within the timeout (408), a full queue (503).
-- A connection that sends no whole request head within the idle timeout is closed (idle and slow-loris
-  peers hold nothing), requests are served concurrently, and the queued requests' rows are scored together
-  in the model's batches, one at a time, off the event loop.
+  ``{"rewards": [...]}``. ``GET /health`` says which model serves, on what device, the queue's depth and
+  every limit. Any other path is a JSON 404 (no redirects).
+- Every refusal is a JSON ``{"error": ...}`` (:class:`Limits`, docs/rewards.md): a body that is not
+  ``application/json`` (415), too large (413), too slow to arrive (408), not JSON, nested too deep, with too
+  many JSON values, rows, messages or characters, or with text that is not valid Unicode (400), a full queue
+  (503). A body is checked whole before its rows join a batch, so no request can fail another's.
+- Below the app (:mod:`lmppo.rewards.connections`): a whole request head within ``idle_s`` however it
+  trickles in, and caps on open connections per peer address and in all.
+- Queued requests' rows are scored together in the model's batches, one at a time, off the event loop; a
+  request is rendered a batch at a time, so a large one holds the line for about one batch; a request
+  whose client has gone is dropped from the line; a batch that fails is scored again request by request,
+  so only the request that fails it gets the 500.
 - An optional bearer token (``--token`` or ``LMPPO_REWARD_TOKEN``); 127.0.0.1 unless told otherwise.
 - One access-log line per request: client, method, path, status, rows, milliseconds.
 """
@@ -19,31 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
+import re
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from lmppo.errors import LmppoError, warn
 from lmppo.inputs.data import as_messages
+from lmppo.rewards.connections import Gate, guarded_protocol
+from lmppo.rewards.limits import Limits
 from lmppo.rewards.scoring import RewardModelScorer
 
 log = logging.getLogger("lmppo.serve")
 PATHS = ("/score", "/get_reward")  # lmppo's, and OpenRLHF's remote reward model's
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask of the server, and how long a peer may take to ask it."""
-
-    max_body_bytes: int = 16 * 2**20
-    max_rows: int = 4096
-    max_chars: int = 200_000  # per prompt, response or query text
-    queue: int = 256  # requests waiting for the model; more get 503
-    connections: int = 512  # open at once; more get 503
-    timeout_s: float = 30.0  # to receive a request's body
-    idle_s: float = 10.0  # to receive a request's head, on a new or a kept-alive connection
 
 
 class RequestError(Exception):
@@ -65,18 +63,54 @@ class Rows:
     def __len__(self) -> int:
         return len(self.queries) if self.queries is not None else len(self.responses)
 
-    def rendered(self, scorer: RewardModelScorer) -> list[list[int]]:
+    def rendered(self, scorer: RewardModelScorer, start: int, stop: int) -> list[list[int]]:
+        """Rows ``start:stop`` as the reward model's token ids."""
         if self.queries is not None:
-            return [scorer.render_query(text) for text in self.queries]
-        return [scorer.render(p, r) for p, r in zip(self.prompts, self.responses, strict=True)]
+            return [scorer.render_query(text) for text in self.queries[start:stop]]
+        pairs = zip(self.prompts[start:stop], self.responses[start:stop], strict=True)
+        return [scorer.render(prompt, response) for prompt, response in pairs]
+
+    def texts(self) -> Iterator[list[str]]:
+        """Each row's texts: its query, or its response and its prompt's roles and contents."""
+        if self.queries is not None:
+            yield from ([query] for query in self.queries)
+            return
+        for prompt, response in zip(self.prompts, self.responses, strict=True):
+            messages = as_messages(prompt)
+            yield [response, *(m["content"] for m in messages), *(m["role"] for m in messages)]
 
 
-def parse_rows(body: bytes, limits: Limits) -> Rows:
-    """A request's rows, checked: the shapes of the wire format, and the limits."""
+# A JSON string on the wire, escapes included: what is left without them is the body's structure.
+JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_values(body: bytes | bytearray, limit: int) -> int:
+    """How many values parsing ``body`` would create, at most, counted on its bytes before any is made
+    (a 16 MiB body of ``{},`` would make 5 million objects). Above ``limit`` the count may stop early."""
+    strings = (body.count(b'"') - body.count(b'\\"')) // 2  # at least this many: too many to strip?
+    if strings > limit:
+        return strings
+    structure = JSON_STRING.sub(b"", body)
+    containers = structure.count(b"[") + structure.count(b"{")
+    return strings + 2 * containers + structure.count(b",") + 1  # each element, container and string
+
+
+def parse_rows(body: bytes | bytearray, limits: Limits) -> Rows:
+    """A request's rows, checked whole (shapes of the wire format, limits, valid text) before any of them
+    reaches the model."""
+    values = json_values(body, limits.max_values)
+    if values > limits.max_values:
+        raise RequestError(
+            400,
+            f"the body would make more than {limits.max_values} JSON values (strings, numbers, lists, objects), "
+            "this server's limit; send fewer rows per request",
+        )
     try:
         request = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise RequestError(400, "the body is not JSON") from None
+    except RecursionError:
+        raise RequestError(400, "the body nests deeper than any request of the wire format") from None
     if not isinstance(request, dict):
         raise RequestError(400, 'the request must be a JSON object: {"prompts": [...], "responses": [...]}')
     if "query" in request:
@@ -84,7 +118,7 @@ def parse_rows(body: bytes, limits: Limits) -> Rows:
     else:
         if "prompts" not in request or "responses" not in request:
             raise RequestError(400, 'give "prompts" and "responses" (or OpenRLHF\'s "query")')
-        rows = Rows(_prompts(request["prompts"]), _texts(request["responses"], "responses"))
+        rows = Rows(_prompts(request["prompts"], limits), _texts(request["responses"], "responses"))
         if len(rows.prompts) != len(rows.responses):
             raise RequestError(
                 400,
@@ -92,13 +126,36 @@ def parse_rows(body: bytes, limits: Limits) -> Rows:
             )
     if len(rows) > limits.max_rows:
         raise RequestError(400, f"{len(rows)} rows; this server takes at most {limits.max_rows} per request")
-    texts = rows.queries or [*rows.responses, *(m["content"] for p in rows.prompts for m in as_messages(p))]
-    longest = max((len(text) for text in texts), default=0)
-    if longest > limits.max_chars:
-        raise RequestError(
-            400, f"a text of {longest} characters; this server takes at most {limits.max_chars}"
-        )
+    _check_texts(rows, limits)
     return rows
+
+
+def _check_texts(rows: Rows, limits: Limits) -> None:
+    """Characters per row and per request within the limits, and every text valid Unicode (JSON's
+    ``\ud800`` escape makes a lone surrogate no tokenizer can encode)."""
+    total = 0
+    for i, texts in enumerate(rows.texts()):
+        chars = sum(map(len, texts))
+        if chars > limits.max_chars:
+            raise RequestError(
+                400, f"row {i} has {chars} characters; this server takes at most {limits.max_chars} per row"
+            )
+        if not all(text.isascii() or _is_unicode(text) for text in texts):
+            raise RequestError(400, f"row {i} holds text that is not valid Unicode (a lone surrogate escape)")
+        total += chars
+    if total > limits.max_request_chars:
+        raise RequestError(
+            400,
+            f"{total} characters in all; this server takes at most {limits.max_request_chars} per request",
+        )
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _texts(value, key: str) -> list[str]:
@@ -107,32 +164,49 @@ def _texts(value, key: str) -> list[str]:
     return value
 
 
-def _prompts(value) -> list:
+def _prompts(value, limits: Limits) -> list:
     """Each prompt a string or a list of {"role", "content"} messages with string content."""
 
     def is_message(m) -> bool:
         return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
 
-    if isinstance(value, list) and all(
-        isinstance(p, str) or (isinstance(p, list) and p and all(is_message(m) for m in p)) for p in value
+    if not (
+        isinstance(value, list)
+        and all(
+            isinstance(p, str) or (isinstance(p, list) and p and all(is_message(m) for m in p)) for p in value
+        )
     ):
-        return value
-    raise RequestError(400, '"prompts" must be a list of strings or of lists of {"role", "content"} messages')
+        raise RequestError(
+            400, '"prompts" must be a list of strings or of lists of {"role", "content"} messages'
+        )
+    longest = max((len(p) for p in value if isinstance(p, list)), default=0)
+    if longest > limits.max_messages:
+        raise RequestError(
+            400, f"a conversation of {longest} messages; this server takes at most {limits.max_messages}"
+        )
+    return value
 
 
 @dataclass(eq=False)
 class Job:
-    """A request waiting for its scores: its rows, rendered on first use, and the scores so far."""
+    """A request waiting for its scores: its rows, those rendered so far, and the scores so far."""
 
     rows: Rows
     answer: asyncio.Future
-    ids: list[list[int]] | None = None
+    ids: list[list[int]] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
     error: RequestError | None = None
 
     @property
     def left(self) -> int:
         return 0 if self.error else len(self.rows) - len(self.scores)
+
+    def next_rows(self, n: int, scorer: RewardModelScorer) -> list[list[int]]:
+        """Its next ``n`` rows' token ids, rendered now: a request is rendered a batch at a time."""
+        start = len(self.scores)
+        if len(self.ids) < start + n:
+            self.ids += self.rows.rendered(scorer, len(self.ids), start + n)
+        return self.ids[start : start + n]
 
 
 class Batcher:
@@ -150,22 +224,19 @@ class Batcher:
         job = Job(rows, asyncio.get_running_loop().create_future())
         self.waiting.append(job)
         self.arrived.set()
-        return await job.answer
+        try:
+            return await job.answer
+        except asyncio.CancelledError:  # its client is gone: its rows are not scored
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(job)
+            raise
 
     async def work(self) -> None:
         while True:
             if not self.waiting:
                 self.arrived.clear()
                 await self.arrived.wait()
-            batch = self._next_batch()
-            try:
-                await asyncio.to_thread(self._score, batch)
-            except (
-                Exception
-            ) as err:  # the model failed (out of memory, a bug): these requests, not the server
-                log.exception("scoring failed")
-                for job, _ in batch:
-                    job.error = RequestError(500, f"scoring failed: {type(err).__name__}: {err}")
+            await asyncio.to_thread(self._score, self._next_batch())
             self._answer_finished()
 
     def _next_batch(self) -> list[tuple[Job, int]]:
@@ -187,24 +258,39 @@ class Batcher:
         return batch
 
     def _score(self, batch: list[tuple[Job, int]]) -> None:
-        """Render each job on first use (a request that cannot be rendered fails alone), then score."""
-        for job, _ in batch:
-            if job.ids is None:
-                try:
-                    job.ids = job.rows.rendered(self.scorer)
-                except LmppoError as err:
-                    job.error = RequestError(400, str(err))
-        scored = [(job, n) for job, n in batch if job.error is None]
-        rows = [row for job, n in scored for row in job.ids[len(job.scores) : len(job.scores) + n]]
-        scores = self.scorer.score_ids(rows).tolist()
-        for job, n in scored:
+        """Score the batch; when it fails, score its requests one by one, so that only a request that fails
+        alone gets the error (the model's own failure, out of memory or a bug, fails them all)."""
+        rendered = [(job, n, ids) for job, n in batch if (ids := self._render(job, n)) is not None]
+        try:
+            self._score_rendered(rendered)
+        except Exception:
+            for one in rendered if len(rendered) > 1 else []:
+                with contextlib.suppress(Exception):
+                    self._score_rendered([one])
+            for job, _, _ in rendered:
+                if job.error is None and len(job.scores) < len(job.ids):
+                    log.exception("scoring failed")
+                    job.error = RequestError(500, "scoring failed on the server; its log says why")
+
+    def _render(self, job: Job, n: int) -> list[list[int]] | None:
+        """The job's next rows as token ids, or None when they cannot be rendered (the job fails alone)."""
+        try:
+            return job.next_rows(n, self.scorer)
+        except LmppoError as err:  # a prompt spelling a control token, a template that refuses it, ...
+            job.error = RequestError(400, str(err))
+        except Exception:
+            log.exception("rendering failed")
+            job.error = RequestError(500, "rendering the request failed on the server; its log says why")
+        return None
+
+    def _score_rendered(self, rendered: list[tuple[Job, int, list[list[int]]]]) -> None:
+        scores = self.scorer.score_ids([row for _, _, ids in rendered for row in ids]).tolist()
+        for job, n, _ in rendered:
             job.scores, scores = job.scores + scores[:n], scores[n:]
 
     def _answer_finished(self) -> None:
         for job in [job for job in self.waiting if not job.left]:
             self.waiting.remove(job)
-            if job.answer.done():  # its client is gone
-                continue
             if job.error is not None:
                 job.answer.set_exception(job.error)
             else:
@@ -220,14 +306,20 @@ def reward_app(
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    batcher = Batcher(scorer, limits.queue)
+    batcher, bodies = Batcher(scorer, limits.queue), BodyBytes(limits.max_bodies_bytes)
+    parsing = asyncio.Semaphore(1)  # one body's values in memory at a time
 
     async def score(request) -> JSONResponse:
         try:
             _authorize(request, token)
-            rows = parse_rows(await _body(request, limits), limits)
+            _require_json(request)
+            with bodies.holding() as take:
+                body = await read_body(request, limits, take)
+                async with parsing:
+                    rows = await asyncio.to_thread(parse_rows, body, limits)
+            del body
             request.state.rows = len(rows)
-            return JSONResponse({"rewards": await batcher.score(rows)})
+            return JSONResponse({"rewards": await unless_gone(request, batcher.score(rows))})
         except RequestError as err:
             return JSONResponse({"error": str(err)}, status_code=err.status)
 
@@ -238,7 +330,7 @@ def reward_app(
             return JSONResponse({"error": str(err)}, status_code=err.status)
         device = str(next(scorer.token_scores.parameters()).device)
         body = {"status": "ok", "model": identity, "device": device, "batch_size": scorer.batch_size}
-        return JSONResponse({**body, "queue": len(batcher.waiting), "queue_max": limits.queue})
+        return JSONResponse({**body, "queue": len(batcher.waiting), "limits": dataclasses.asdict(limits)})
 
     async def refused(request, err: HTTPException) -> JSONResponse:
         allowed = f"; POST {' or '.join(PATHS)}, GET /health" if err.status_code in (404, 405) else ""
@@ -255,6 +347,7 @@ def reward_app(
         Route("/health", health, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: refused}, lifespan=lifespan)
+    app.router.redirect_slashes = False  # `/score/` is unknown, not a redirect built from the Host header
     return AccessLog(app)
 
 
@@ -263,8 +356,39 @@ def _authorize(request, token: str | None) -> None:
         raise RequestError(401, "this server needs its bearer token (Authorization: Bearer ...)")
 
 
-async def _body(request, limits: Limits) -> bytes:
-    """The request's body, refused when larger than the limit or slower than the timeout to arrive."""
+def _require_json(request) -> None:
+    """Only JSON bodies: a web page can make a browser post text/plain to a server on localhost, not JSON."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise RequestError(415, f"send the body as JSON (Content-Type: application/json), not {media_type!r}")
+
+
+class BodyBytes:
+    """The bytes of the bodies being received or parsed, all requests together, held under a cap."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held = limit, 0
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[Callable[[int], None]]:
+        """``take(n)``: hold ``n`` more bytes for this request until the block ends (503 past the cap)."""
+        taken = 0
+
+        def take(n: int) -> None:
+            nonlocal taken
+            if self.held + n > self.limit:
+                raise RequestError(503, "the server holds as many request bodies as it takes; retry later")
+            self.held, taken = self.held + n, taken + n
+
+        try:
+            yield take
+        finally:
+            self.held -= taken
+
+
+async def read_body(request, limits: Limits, take: Callable[[int], None]) -> bytearray:
+    """The request's body (not copied: it may be 16 MiB), refused when larger than the limit or slower
+    than the timeout to arrive."""
     declared = request.headers.get("content-length", "")
     too_large = f"the body is larger than this server's limit of {limits.max_body_bytes} bytes"
     if declared.isdigit() and int(declared) > limits.max_body_bytes:
@@ -274,11 +398,32 @@ async def _body(request, limits: Limits) -> bytes:
         async with asyncio.timeout(limits.timeout_s):
             async for chunk in request.stream():
                 body += chunk
+                take(len(chunk))
                 if len(body) > limits.max_body_bytes:
                     raise RequestError(413, too_large)
     except TimeoutError:
         raise RequestError(408, f"the body did not arrive within {limits.timeout_s:g} s") from None
-    return bytes(body)
+    return body
+
+
+async def unless_gone(request, scores: Awaitable[list[float]]) -> list[float]:
+    """The scores, unless the client disconnects first: then their request leaves the line (499)."""
+    scoring = asyncio.ensure_future(scores)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({scoring, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not scoring.done():
+            scoring.cancel()
+    if not scoring.done() or scoring.cancelled():
+        raise RequestError(499, "the client closed the connection before its scores")
+    return scoring.result()
+
+
+async def _disconnected(request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class AccessLog:
@@ -306,31 +451,18 @@ class AccessLog:
             log.info(f"{client} {scope['method']} {scope['path']} {status[0]} rows={rows} {ms:.0f} ms")
 
 
-def idle_timeout_protocol():
-    """uvicorn's h11 protocol, with its keep-alive timer also running from a connection's start: a peer
-    that never sends a whole request head is disconnected after ``timeout_keep_alive`` (uvicorn would wait
-    for it forever)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class IdleTimeoutH11Protocol(H11Protocol):
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self.timeout_keep_alive_task = self.loop.call_later(
-                self.timeout_keep_alive, self.timeout_keep_alive_handler
-            )
-
-    return IdleTimeoutH11Protocol
-
-
 def uvicorn_server(app, limits: Limits = Limits()):
-    """A uvicorn server for ``app`` with the limits' timeouts; run it with ``server.run(sockets=[...])``."""
+    """A uvicorn server for ``app`` with the limits' deadlines and connection caps
+    (:mod:`lmppo.rewards.connections`); run it with ``server.run(sockets=[...])``."""
     import uvicorn
 
+    gate = Gate(limits.connections, limits.connections_per_client)
     config = uvicorn.Config(
         app,
-        http=idle_timeout_protocol(),
+        http=guarded_protocol(gate, limits.idle_s),
+        ws="none",  # no upgrade hands a connection to a protocol without the guards
         timeout_keep_alive=limits.idle_s,
-        limit_concurrency=limits.connections,
+        limit_concurrency=None,  # the gate caps connections per peer; uvicorn's cap would 503 every peer
         access_log=False,  # AccessLog writes one line with the rows and the time
         log_level="warning",
         lifespan="on",
@@ -382,6 +514,7 @@ def serve(
     """``lmppo serve-rm``: listen first (a taken port is said before minutes of loading), load the reward
     model, serve until Ctrl-C, one access-log line per request on stderr."""
     listening = _listen(host, port)
+    _allow_open_files(limits.connections + 64)  # the connections, the model's files, the listening socket
     scorer, identity = load_scorer(model_path, batch_size, chat_template)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
@@ -395,6 +528,22 @@ def serve(
             "and queue work on it; set --token (or LMPPO_REWARD_TOKEN) on the server and for its clients"
         )
     uvicorn_server(reward_app(scorer, identity, limits, token), limits).run(sockets=[listening])
+
+
+def _allow_open_files(needed: int) -> None:
+    """Raise this process's open-file limit to ``needed`` where the hard limit allows, else say so: past it,
+    accepting a connection fails for every peer."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise LmppoError(
+            f"serve-rm may keep --connections open, which needs {needed} open files, but this process may open "
+            f"at most {hard} (ulimit -Hn); lower --connections or raise the limit"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
 def _listen(host: str, port: int):
