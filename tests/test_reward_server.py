@@ -23,6 +23,7 @@ from lmppo.rewards.reward_server import (
     Limits,
     RequestError,
     Rows,
+    json_values,
     load_scorer,
     reward_app,
     uvicorn_server,
@@ -355,3 +356,11 @@ def test_bodies_held_at_once_are_capped():
             other(50)
         assert busy.value.status == 503 and bodies.held == 60
     assert bodies.held == 0
+
+
+def test_json_values_are_counted_on_the_bytes_as_parsing_would_make_them():
+    body = b'{"a": [1, 2, {"b": "c\\\\"}], "d": "e\\", [{f}]"}'  # strings holding escapes, brackets, commas
+    assert json_values(body, 100) == 10  # the root, the list, 1, 2, the object, "c\\", "e..." and 3 keys
+    messages = [{"role": "user", "content": "hi, [yes]: {no}"}] * 8
+    largest = json.dumps({"prompts": [messages] * 4096, "responses": ["ok"] * 4096}).encode()
+    assert json_values(largest, Limits().max_values) <= Limits().max_values  # 4096 rows of 8 messages fit

@@ -86,13 +86,14 @@ JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 def json_values(body: bytes | bytearray, limit: int) -> int:
     """How many values parsing ``body`` would create, at most, counted on its bytes before any is made
-    (a 16 MiB body of ``{},`` would make 5 million objects). Above ``limit`` the count may stop early."""
-    strings = (body.count(b'"') - body.count(b'\\"')) // 2  # at least this many: too many to strip?
-    if strings > limit:
+    (a 16 MiB body of ``{},`` would make 5 million objects): the root, each container's elements or
+    members (its commas, plus one), each member's key. Above ``limit`` the count may stop early."""
+    strings = (body.count(b'"') - body.count(b'\\"')) // 2  # at least this many, each a value or a key
+    if strings > limit:  # too many to be worth stripping
         return strings
     structure = JSON_STRING.sub(b"", body)
     containers = structure.count(b"[") + structure.count(b"{")
-    return strings + 2 * containers + structure.count(b",") + 1  # each element, container and string
+    return 1 + containers + structure.count(b",") + structure.count(b":")
 
 
 def parse_rows(body: bytes | bytearray, limits: Limits) -> Rows:
