@@ -48,6 +48,7 @@ def closed_within(connection: socket.socket, seconds: float) -> bool:
         return isinstance(err, ConnectionResetError)
 
 
+@pytest.mark.slow  # a serve-rm process
 def test_a_head_trickled_a_byte_at_a_time_is_cut_at_the_deadline(server):
     """Finding 1: each byte used to restart the idle timer, so a trickled head was waited for forever."""
     url, port = server
@@ -68,6 +69,7 @@ def test_a_head_trickled_a_byte_at_a_time_is_cut_at_the_deadline(server):
     assert score(url).status_code == 200
 
 
+@pytest.mark.slow  # a serve-rm process
 def test_one_peer_holding_500_sockets_denies_no_other_peer(server):
     """Finding 2: 520 idle sockets from anyone filled uvicorn's one cap, and every request got a plain 503."""
     url, port = server
@@ -126,6 +128,7 @@ def test_the_gate_counts_each_connection_once_and_closes_the_largest_holders_idl
     assert gate.count == 3 and set(gate.by_peer) == {"a", "b", "c"}
 
 
+@pytest.mark.slow  # a serve-rm process
 def test_requests_are_served_while_peers_trickle_and_hoard(server):
     """Both floods at once, in threads, while other peers' requests go on."""
     url, port = server

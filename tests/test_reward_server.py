@@ -223,6 +223,7 @@ NESTED = [
 ]
 
 
+@pytest.mark.slow  # a serve-rm process
 @pytest.mark.parametrize("body", NESTED, ids=["lists", "objects", "inside-an-object", "inside-a-message"])
 def test_deeply_nested_json_is_a_400_in_json(process, body):
     """Finding 3: 100k levels raised a RecursionError: a plain-text 500."""
@@ -232,6 +233,7 @@ def test_deeply_nested_json_is_a_400_in_json(process, body):
     )
 
 
+@pytest.mark.slow  # a serve-rm process
 def test_text_that_is_not_unicode_fails_its_own_request_only(process):
     """Finding 4: a lone surrogate failed the tokenizer, and every request batched with it got 500."""
     url = f"{process[0]}/score"
@@ -245,6 +247,7 @@ def test_text_that_is_not_unicode_fails_its_own_request_only(process):
     assert post(url, json.dumps(chat).encode()).status_code == 400  # a role too
 
 
+@pytest.mark.slow  # a serve-rm process
 def test_no_redirects_and_only_json_bodies(process):
     """Finding 5: `/score/` answered a 307 whose Location came from the Host header; finding 11: a
     text/plain body (what a web page can make a browser send to localhost) was scored."""
@@ -259,6 +262,7 @@ def test_no_redirects_and_only_json_bodies(process):
 ROWS_ONE = {"prompts": ["hi"], "responses": ["good"]}
 
 
+@pytest.mark.slow  # a serve-rm process
 def test_one_request_of_half_a_million_messages_is_refused_at_once(process):
     """Finding 6: 508,394 empty messages (16 MiB) took 8 s to score, held the line and 1.1 GB."""
     url, pid, start_mb = process
@@ -275,11 +279,13 @@ def test_one_request_of_half_a_million_messages_is_refused_at_once(process):
     assert "300 messages" in post(f"{url}/score", few).json()["error"]  # --max-messages, 256
 
 
+@pytest.mark.slow  # a serve-rm process
 def test_the_limits_of_work_per_request_are_in_health(process):
     limits = httpx.get(f"{process[0]}/health").json()["limits"]
     assert limits == dataclasses.asdict(Limits())  # every default, as docs/rewards.md lists them
 
 
+@pytest.mark.slow  # a serve-rm process
 def test_floods_keep_the_servers_memory_within_200_mb_of_its_start(process):
     """Finding 6 and the goal of item 8: sockets, nesting, the message flood and 16 MiB bodies at once
     raise the server's peak resident memory by less than 200 MB."""
