@@ -154,3 +154,12 @@ def test_requests_are_served_while_peers_trickle_and_hoard(server):
         stop.set()
         for s in hoard:
             s.close()
+
+
+def test_a_malformed_head_is_a_400_in_json(saved_rm):
+    from test_reward_server import running
+
+    with running(saved_rm) as (url, _), peer_socket("127.0.0.1", int(url.rsplit(":", 1)[1])) as peer:
+        peer.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
+        status, body = answer_of(peer)
+    assert status == 400 and "not an HTTP/1.1 request head" in body["error"]
