@@ -265,9 +265,10 @@ class Batcher:
         try:
             self._score_rendered(rendered)
         except Exception:
-            for one in rendered if len(rendered) > 1 else []:
-                with contextlib.suppress(Exception):
-                    self._score_rendered([one])
+            if len(rendered) > 1:  # alone, each request is scored or is the one that fails
+                for one in rendered:
+                    with contextlib.suppress(Exception):
+                        self._score_rendered([one])
             for job, _, _ in rendered:
                 if job.error is None and len(job.scores) < len(job.ids):
                     log.exception("scoring failed")
