@@ -47,7 +47,7 @@ def build_generator(max_new_tokens: int):
     from lmppo.inputs.data import load_prompts
     from lmppo.modeling.loading import load_causal_lm, load_tokenizer
     from lmppo.modeling.lora import apply_lora
-    from lmppo.sampling.hf_engine import HFGenerator
+    from lmppo.sampling.hf_engine import hf_generator
 
     model_dir = smollm2_dir()
     torch.manual_seed(0)
@@ -56,7 +56,9 @@ def build_generator(max_new_tokens: int):
         for name, param in policy.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.01)
-    generator = HFGenerator(policy, load_tokenizer(model_dir), max_new_tokens=max_new_tokens, temperature=0.7)
+    generator = hf_generator(
+        policy, load_tokenizer(model_dir), max_new_tokens=max_new_tokens, temperature=0.7
+    )
     return generator, policy, load_prompts(str(PROMPTS))
 
 

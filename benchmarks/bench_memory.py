@@ -59,7 +59,7 @@ def worker(args) -> dict:
     seed_everything(0)
     spec = resolve(cfg, device="cpu")
     trainer = build_trainer(cfg, spec, load_models(cfg, spec), [PROMPT] * args.rows)
-    query = torch.tensor([trainer.generator.render(PROMPT)] * args.rows)
+    query = torch.tensor([trainer.generator.renderer.render(PROMPT)] * args.rows)
     response = torch.randint(100, 1000, (args.rows, args.response))  # ordinary tokens: no stop, all counted
     rollout = Rollout(
         query_ids=query,

@@ -56,12 +56,12 @@ def responses(n_prompts: int, seed: int):
     from lmppo.inputs.config import ModelSource
     from lmppo.inputs.data import load_prompts
     from lmppo.modeling.loading import load_causal_lm, load_tokenizer
-    from lmppo.sampling.hf_engine import HFGenerator
+    from lmppo.sampling.hf_engine import hf_generator
 
     tokenizer = load_tokenizer(POLICY)
     torch.manual_seed(seed)
     model = load_causal_lm(ModelSource(path=str(POLICY)))
-    generator = HFGenerator(model, tokenizer, max_new_tokens=48, temperature=1.0)
+    generator = hf_generator(model, tokenizer, max_new_tokens=48, temperature=1.0)
     return generator.generate(load_prompts(str(PROMPTS))[:n_prompts], policy_version=0)
 
 

@@ -30,7 +30,10 @@ def carries_config(frame) -> bool:
     code = frame.f_code
     names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
     values = [frame.f_locals.get(name) for name in names]
-    return any(isinstance(v, BaseModel) and type(v).__module__ == config_module.__name__ for v in values)
+    return any(
+        isinstance(v, BaseModel) and type(v).__module__.startswith(f"{config_module.__name__}.")
+        for v in values
+    )
 
 
 def trace(cfg) -> tuple[Counter, Counter]:

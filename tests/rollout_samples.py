@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.hf_engine import hf_generator
 from lmppo.sampling.rollout import (
     Rollout,
 )
@@ -33,7 +33,7 @@ def generate(model, tokenizer, *, seed=0, prompts=PROMPTS, **kwargs) -> Rollout:
     kwargs.setdefault("max_new_tokens", 10)
     kwargs.setdefault("stop_token_ids", stop_ids(tokenizer))
     torch.manual_seed(seed)
-    return HFGenerator(model, tokenizer, **kwargs).generate(prompts, policy_version=7)
+    return hf_generator(model, tokenizer, **kwargs).generate(prompts, policy_version=7)
 
 
 def unpadded(rollout: Rollout, b: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ from helpers import BASE
 
 from lmppo.inputs.config import load_config
 from lmppo.inputs.resolve import resolve
+from lmppo.math import core
 from lmppo.sampling.rollout import EstimatedRollout, Rollout, ScoredRollout
 from lmppo.training.advantages import advantages_of
 from lmppo.training.step_results import RewardEstimates
@@ -33,16 +34,18 @@ def estimate(
         prompts=["p"] * rows,
         response_texts=[""] * rows,
     )
+    logp_ref = logp_old - kl_per_token
     scored = ScoredRollout.after(
         sampled,
         rm_score=torch.tensor(scores),
-        logp_ref=logp_old - kl_per_token,
+        logp_ref=logp_ref,
+        kl_ref=torch.where(mask.bool(), core.kl_estimate(logp_old, logp_ref), 0.0),  # as scoring stores it
         values=torch.zeros(rows, width),
     )
     cfg = load_config(
         base=BASE, overrides=["kl.beta=0.5", "rollout.batch_size=2", "ppo.minibatch_size=1", *overrides]
     )
-    return advantages_of(scored, 0.5, cfg, resolve(cfg, device="cpu"))
+    return advantages_of(scored, 0.5, resolve(cfg, device="cpu").estimator)
 
 
 def test_rloo_takes_the_other_samples_mean_and_sums_the_kl_penalty_to_go():

@@ -34,7 +34,7 @@ def test_the_best_of_each_group_is_kept_first_of_ties_and_above_the_threshold():
 def test_a_round_fine_tunes_on_the_winners_and_their_likelihood_rises():
     trainer = toy_trainer(*BON, "ppo.lr=1e-2", "best_of_n.epochs=4")
     assert trainer.value_model is None
-    scored, _ = trainer.score(trainer.collect_rollout())
+    scored, _ = trainer.scorer.score(trainer.sampler.collect(0), 0, {})
     winners = scored.select(best_of_groups(scored.rm_score, 4))
     first = trainer.fine_tune(winners)
     losses = [trainer.sft_update(winners)[0] for _ in range(3)]
@@ -46,9 +46,9 @@ def test_with_an_environment_episodes_are_judged_whole_and_only_their_actions_ar
     """Best-of-n on episodes: the pick reads the reward plus the turn rewards, and the fine-tuning loss is
     the token mean over the policy's own tokens, never the context an environment put between them."""
     trainer = toy_trainer(*BON, f"rollout.environment={EPISODES}", "rollout.max_turns=3")
-    scored, _ = trainer.score(trainer.collect_rollout())
-    assert scored.context_mask.sum() > 0 and scored.turn_rewards.sum() > 0
-    assert torch.equal(scored.episode_score, scored.rm_score + scored.turn_rewards.sum(1))
+    scored, _ = trainer.scorer.score(trainer.sampler.collect(0), 0, {})
+    assert scored.episode.context_mask.sum() > 0 and scored.episode.turn_rewards.sum() > 0
+    assert torch.equal(scored.episode_score, scored.rm_score + scored.episode.turn_rewards.sum(1))
     winners = scored.select(best_of_groups(scored.episode_score, 4))
     with torch.no_grad():
         logp = sequence_logprobs(trainer.policy, winners)  # teacher-forced, every response position
@@ -77,7 +77,7 @@ def test_no_winner_above_the_threshold_leaves_the_policy_as_it_was():
 
 def test_best_of_n_needs_groups_and_one_process(run_files):
     with pytest.raises(LmppoError, match="set rollout.samples_per_prompt to K >= 2"):
-        load_config(run_files, ["run.algorithm=best_of_n"])
+        resolve(load_config(run_files, ["run.algorithm=best_of_n"]), device="cpu")
     cfg = load_config(run_files, ["run.algorithm=best_of_n", "rollout.samples_per_prompt=2"])
     assert resolve(cfg, device="cpu").value is None
     with pytest.raises(LmppoError, match="best-of-n runs in one process"):

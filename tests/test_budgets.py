@@ -9,8 +9,9 @@ import torch
 from helpers import comparable, run_cli, toy_trainer, write_config
 
 from lmppo.runs.checkpoint import latest_checkpoint, load_checkpoint
-from lmppo.sampling.hf_engine import HFGenerator
-from lmppo.training import steps
+from lmppo.sampling.hf_engine import DecodeLoop
+from lmppo.sampling.responses import ResponseGenerator
+from lmppo.training import scorer
 from lmppo.training.budgets import OutOfMemory, TokenBudgets, out_of_memory_error
 from lmppo.training.metrics import read_metrics
 from lmppo.training.trainer import PPOTrainer
@@ -77,9 +78,9 @@ def test_a_stored_pass_and_generation_that_run_out_are_redone_in_smaller_forward
     plain = toy_trainer("ppo.ppo_epochs=1")
     expected = plain.step()
     trainer = toy_trainer("ppo.ppo_epochs=1")
-    monkeypatch.setattr(HFGenerator, "_decode_loop", running_out(HFGenerator._decode_loop, {1}))
+    monkeypatch.setattr(DecodeLoop, "_decode_loop", running_out(DecodeLoop._decode_loop, {1}))
     monkeypatch.setattr(
-        steps, "sequence_logprobs", running_out(steps.sequence_logprobs, {1})
+        scorer, "sequence_logprobs", running_out(scorer.sequence_logprobs, {1})
     )  # the reference's
     with pytest.warns(UserWarning, match="out of memory"):
         metrics = trainer.step()
@@ -88,6 +89,35 @@ def test_a_stored_pass_and_generation_that_run_out_are_redone_in_smaller_forward
     # the first decode ran out before drawing a token: the smaller batches draw the same samples
     assert metrics["response/length"] == expected["response/length"]
     torch.testing.assert_close(metrics["kl/ref"], expected["kl/ref"], rtol=1e-4, atol=1e-6)
+
+
+class OwnBatchesEngine:
+    """An engine that batches by itself, as vLLM does (no decode budget to halve), and runs out of memory."""
+
+    decode_budget, owns_weights, device = None, True, torch.device("cpu")
+    memory_remedy = "a smaller rollout.vllm_kv_cache_gb (on purpose)"
+
+    def __init__(self, loop: DecodeLoop) -> None:
+        self.settings, self.pad_token_id = loop.settings, loop.pad_token_id
+        self.calls = 0
+
+    def sample(self, *args, **kwargs):
+        self.calls += 1
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (on purpose)")
+
+
+def test_generation_on_an_engine_with_its_own_batches_stops_with_what_that_engine_can_do():
+    """No decode budget to halve (vLLM): generation is not redone, no budget is touched, and the error says
+    what frees memory for that engine, not to halve rollout.generation_batch_tokens."""
+    trainer = toy_trainer()
+    loop = trainer.generator
+    engine = OwnBatchesEngine(loop.engine)
+    trainer = toy_trainer(generator=ResponseGenerator(engine, loop.renderer))
+    with pytest.raises(
+        OutOfMemory, match=r"out of memory in generation .*on purpose.*: a smaller rollout\.vllm"
+    ):
+        trainer.step()
+    assert engine.calls == 1 and trainer.budgets.generation is None and not trainer.budgets.halvings
 
 
 def test_resume_after_a_recovery_keeps_the_budget_and_is_exact(run_files, monkeypatch):

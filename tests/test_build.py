@@ -10,7 +10,8 @@ from lmppo.errors import LmppoError
 from lmppo.inputs.config import load_config
 from lmppo.inputs.resolve import resolve
 from lmppo.runs.build import generator_options, load_models, load_reward, load_value_model
-from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.engines import sampling_parts
+from lmppo.sampling.hf_engine import hf_generator
 
 
 def cpu_models(cfg):
@@ -34,10 +35,13 @@ def test_generator_options_are_every_setting_the_generator_takes(run_files):
     )
     options = generator_options(cfg)
     keywords = {
-        name for name, p in inspect.signature(HFGenerator).parameters.items() if p.kind == p.KEYWORD_ONLY
+        name
+        for function in (sampling_parts, hf_generator)
+        for name, p in inspect.signature(function).parameters.items()
+        if p.kind == p.KEYWORD_ONLY
     }
-    # the critic and the seed of an engine on another thread, not sampling settings
-    assert set(options) == keywords - {"value_model", "bootstrap_values", "seed"}
+    # the critic, the seed of an engine on another thread and a snapshot's weights, not sampling settings
+    assert set(options) == keywords - {"value_model", "bootstrap_values", "seed", "owns_weights"}
     assert options == {
         "max_new_tokens": 6,
         "temperature": 0.7,

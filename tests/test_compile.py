@@ -18,9 +18,9 @@ TOLERANCE = dict(atol=1e-5, rtol=1e-5)  # fp32: fused kernels round in another o
 
 def test_compiled_passes_equal_the_eager_ones_and_the_decode_loop_stays_eager():
     eager, compiled = toy_trainer(), toy_trainer("run.compile=true")
-    rollout = eager.generate_next()
+    rollout = eager.sampler.generate(eager.policy_version)
     before = compiled_graphs()
-    compiled.generate_next()
+    compiled.sampler.generate(compiled.policy_version)
     assert compiled_graphs() == before  # generating compiled nothing
 
     logp, entropy, values = eager.train_module(rollout)
@@ -34,8 +34,8 @@ def test_compiled_passes_equal_the_eager_ones_and_the_decode_loop_stays_eager():
         if p.grad is not None:
             torch.testing.assert_close(q.grad, p.grad, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(
-        sequence_logprobs(compiled.reference, rollout),
-        sequence_logprobs(eager.reference, rollout),
+        sequence_logprobs(compiled.models.reference, rollout),
+        sequence_logprobs(eager.models.reference, rollout),
         **TOLERANCE,
     )
     torch.testing.assert_close(

@@ -7,12 +7,18 @@ import yaml
 
 from lmppo.errors import LmppoError
 from lmppo.inputs.config import OTHER_TRAINERS_KEYS, Config, apply_override, load_config, validate_config
+from lmppo.inputs.resolve import resolve
 
 BASE = {
     "models": {"policy": {"path": "policy_dir"}},
     "reward": {"function": "my_rewards:score"},
     "data": {"prompts": "prompts.jsonl"},
 }
+
+
+def load_and_resolve(**kwargs) -> None:
+    """A config loaded, then resolved on the CPU: the checks across sections are resolve's."""
+    resolve(load_config(**kwargs), device="cpu")
 
 
 def test_yaml_round_trip(tmp_path):
@@ -65,7 +71,7 @@ def test_overrides_do_not_mutate_the_base():
 )
 def test_validation_errors_are_helpful(override, message):
     with pytest.raises(LmppoError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_config(base=BASE, overrides=override.split())
+        load_and_resolve(base=BASE, overrides=override.split())
 
 
 def test_missing_section_and_file_errors(tmp_path):
@@ -134,7 +140,7 @@ def test_reward_components_and_the_one_source_shorthand():
 )
 def test_reward_component_errors_name_the_fix(override, message):
     with pytest.raises(LmppoError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_config(base=COMPONENTS, overrides=override.split())
+        load_and_resolve(base=COMPONENTS, overrides=override.split())
 
 
 def test_a_gate_needs_components():

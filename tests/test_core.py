@@ -260,7 +260,7 @@ def test_seed_worked_example(beta, expected):
     logp_old = torch.tensor([[-1.0, -0.5, -2.0, -0.1]])
     logp_ref = torch.tensor([[-1.2, -0.5, -1.0, -0.1]])
     mask = torch.ones(1, 4)
-    rewards = core.shaped_rewards(torch.tensor([1.5]), logp_old, logp_ref, mask, beta)
+    rewards = core.shaped_rewards(torch.tensor([1.5]), core.kl_estimate(logp_old, logp_ref), mask, beta)
     assert torch.allclose(rewards, torch.tensor([expected]), atol=1e-6)
     assert math.isclose(rewards.sum().item(), 1.58 if beta == 0.1 else 1.66, abs_tol=1e-6)
 
@@ -270,25 +270,23 @@ def test_shaped_rewards_places_score_and_kl():
     logp_ref = torch.tensor([[-1.0, -1.0, -1.0, float("nan")], [-0.5, -1.5, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
     score = torch.tensor([2.0, -1.0])
-    rewards = core.shaped_rewards(score, logp_old, logp_ref, mask, beta=0.5)
+    rewards = core.shaped_rewards(score, core.kl_estimate(logp_old, logp_ref), mask, beta=0.5)
     # Row 0: KL terms -0.5 * (0, -1, -2); score on index 2 (the last response token, not the first pad).
     assert torch.allclose(rewards[0], torch.tensor([0.0, 0.5, 1.0 + 2.0, 0.0]))
     # Row 1: KL terms -0.5 * (0, 1); score on index 1.
     assert torch.allclose(rewards[1], torch.tensor([0.0, -0.5 - 1.0, 0.0, 0.0]))
     # Where policy == reference the KL term vanishes and only the score remains.
-    same = core.shaped_rewards(score, logp_old, logp_old, mask, beta=0.5)
+    same = core.shaped_rewards(score, core.kl_estimate(logp_old, logp_old), mask, beta=0.5)
     assert torch.allclose(same, torch.tensor([[0, 0, 2.0, 0], [0, -1.0, 0, 0]]))
     # k3 penalties are never positive rewards.
-    k3 = core.shaped_rewards(torch.zeros(2), logp_old, logp_ref, mask, 0.5, estimator="k3")
+    k3 = core.shaped_rewards(torch.zeros(2), core.kl_estimate(logp_old, logp_ref, "k3"), mask, 0.5)
     assert torch.all(k3 <= 0)
 
 
 def test_last_response_index_rows_of_every_shape():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 1, 0]])
     assert core.last_response_index(mask).tolist() == [2, 0, 3, 0, 2]
-    empty_row_reward = core.shaped_rewards(
-        torch.tensor([5.0]), torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, 3), 0.1
-    )
+    empty_row_reward = core.shaped_rewards(torch.tensor([5.0]), torch.zeros(1, 3), torch.zeros(1, 3), 0.1)
     assert torch.all(empty_row_reward == 0)
 
 

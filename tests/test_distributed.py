@@ -37,7 +37,7 @@ from lmppo.modeling.models import ValueModel
 from lmppo.runs.checkpoint import latest_checkpoint, load_checkpoint
 from lmppo.sampling.engines import policy_weights
 from lmppo.sampling.episodes import EpisodeGenerator
-from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.hf_engine import hf_generator
 from lmppo.training.metrics import read_metrics, reduce_metrics
 
 BATCH = 8
@@ -72,6 +72,8 @@ GLOBAL_METRICS = (
 class FixedRollouts:
     """A generator that hands out the same pre-sampled rollout (one rank's shard of it)."""
 
+    decode_budget = None  # samples nothing: no decode batches to shrink
+
     def __init__(self, rollout):
         self.rollout = rollout
 
@@ -89,7 +91,7 @@ def fixed_global_rollout(tmp_path):
     """A sampled batch of BATCH responses, written to a file and read back as every run's input."""
     models = toy_models()
     seed_everything(3)
-    rollout = HFGenerator(models.policy, models.tokenizer, max_new_tokens=8).generate(
+    rollout = hf_generator(models.policy, models.tokenizer, max_new_tokens=8).generate(
         ["tell me about the cat", "write a short poem", "tell me a story", "the day was very happy"] * 2,
         policy_version=0,
     )
@@ -104,12 +106,22 @@ def fixed_episode_rollout(tmp_path):
     models = toy_models()
     boost_token(models.policy, models.tokenizer.eos_token_id, 3.0)
     seed_everything(3)
-    engine = HFGenerator(models.policy, models.tokenizer, max_new_tokens=6)
-    episodes = EpisodeGenerator(engine, AnswerTwice, name="tests", max_turns=3, max_total_tokens=40, seed=3)
+    generator = hf_generator(models.policy, models.tokenizer, max_new_tokens=6)
+    episodes = EpisodeGenerator(
+        generator.engine,
+        generator.renderer,
+        AnswerTwice,
+        name="tests",
+        max_turns=3,
+        max_total_tokens=40,
+        seed=3,
+    )
     rollout = episodes.generate(
         ["tell me about the cat", "write a short poem", "tell me a story", "the day was very happy"] * 2, 0
     )
-    assert rollout.context_mask.sum(1).min() == 0 < rollout.context_mask.sum(1).max()  # some hold context
+    assert (
+        rollout.episode.context_mask.sum(1).min() == 0 < rollout.episode.context_mask.sum(1).max()
+    )  # some hold context
     torch.save(rollout, tmp_path / "episodes.pt")
     return torch.load(tmp_path / "episodes.pt", weights_only=False)
 
@@ -422,8 +434,8 @@ def _dynamic_sampling_worker(rank: int, world: int, port: int, results) -> None:
             rank=rank,
             world_size=world,
         )
-        rollout = trainer.sample({})
-        results[rank] = (len(rollout), dict(trainer.sampling_metrics), rollout.prompts)
+        rollout = trainer.sampler.sample(trainer.policy_version, {})
+        results[rank] = (len(rollout), dict(trainer.sampler.metrics), rollout.prompts)
     finally:
         dist.destroy_process_group()
 

@@ -6,8 +6,8 @@ from helpers import POLICY_SPECIALS, POLICY_TEMPLATE, WORDS, build_tokenizer, ll
 from transformers import LlamaForCausalLM
 
 from lmppo.modeling.lora import apply_lora
-from lmppo.sampling.engines import policy_weights
-from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.engines import Samples, policy_weights, sampling_parts
+from lmppo.sampling.responses import ResponseGenerator
 
 
 def policy_tokenizer():
@@ -34,15 +34,27 @@ def test_policy_weights_fold_lora_in_without_touching_the_model():
     assert all(torch.allclose(weights[k], merged[k], atol=1e-6) for k in expected_names)
 
 
-class OwnWeightsEngine(HFGenerator):
+class OwnWeightsEngine:
     """An engine sampling from its own weights (as vLLM does): it records what the trained module looks
     like while it samples and returns a fixed response."""
 
-    def _sample(self, query_ids, query_mask, sample_ids):
+    owns_weights, decode_budget, device, pad_token_id = True, None, torch.device("cpu"), 0
+    memory_remedy = "none"
+
+    def __init__(self, policy, settings):
+        self.model, self.settings = policy, settings
+
+    def sample(self, query_ids, query_mask, sample_ids, max_new_tokens=None, turn=0):
         lora_layer = self.model.base_model.model.model.layers[0].self_attn.q_proj
         self.seen = (self.model.training, lora_layer.base_layer.weight, lora_layer.disable_adapters)
-        response = torch.full((len(sample_ids), 2), self.stop_token_ids[0])
-        return response, torch.zeros(response.shape), None
+        response = torch.full((len(sample_ids), 2), self.settings.stop_token_ids[0])
+        return Samples(response, torch.zeros(response.shape))
+
+    def version_sampled(self, policy_version):
+        return 0
+
+    def sleep(self):
+        pass
 
 
 def test_an_engine_with_its_own_weights_leaves_the_trained_module_alone_while_it_samples():
@@ -51,7 +63,8 @@ def test_an_engine_with_its_own_weights_leaves_the_trained_module_alone_while_it
     tokenizer = policy_tokenizer()
     policy = apply_lora(LlamaForCausalLM(llama_config(tokenizer)), r=2, alpha=4).train()
     base_weight = policy.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
-    engine = OwnWeightsEngine(policy, tokenizer, max_new_tokens=2)
-    engine.generate([[{"role": "user", "content": "a b"}]], policy_version=0)
+    settings, renderer = sampling_parts(policy, tokenizer, max_new_tokens=2)
+    engine = OwnWeightsEngine(policy, settings)
+    ResponseGenerator(engine, renderer).generate([[{"role": "user", "content": "a b"}]], policy_version=0)
     training, weight_while_sampling, adapters_off = engine.seen
     assert training and weight_while_sampling is base_weight and not adapters_off

@@ -13,10 +13,11 @@ from sample_environments import AnswerTwice
 
 from lmppo.errors import LmppoError
 from lmppo.inputs.data import encode_chat, encode_context
+from lmppo.math import core
 from lmppo.math.core import token_logprobs
 from lmppo.sampling.environments import Step
 from lmppo.sampling.episodes import EpisodeGenerator
-from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.hf_engine import hf_generator
 from lmppo.sampling.passes import response_logits
 from lmppo.training.advantages import advantages_of
 
@@ -46,9 +47,15 @@ def episodes(environment, *, model=None, max_turns=4, max_total_tokens=64, max_n
         model = toy_models().policy
         model.resize_token_embeddings(len(tok))
         boost_token(model, tok.eos_token_id, 12.0)
-    engine = HFGenerator(model, tok, max_new_tokens=max_new_tokens)
+    generator = hf_generator(model, tok, max_new_tokens=max_new_tokens)
     return EpisodeGenerator(
-        engine, environment, name="tests:Env", max_turns=max_turns, max_total_tokens=max_total_tokens, seed=3
+        generator.engine,
+        generator.renderer,
+        environment,
+        name="tests:Env",
+        max_turns=max_turns,
+        max_total_tokens=max_total_tokens,
+        seed=3,
     )
 
 
@@ -66,17 +73,19 @@ def test_an_episode_holds_the_sampled_actions_and_the_context_between_them():
     ]  # fmt: skip
     actions = [0, 6, 11]
     assert rollout.action_mask[0].nonzero().flatten().tolist() == actions
-    assert rollout.context_mask[0][rollout.response_mask[0].bool()].nonzero().flatten().tolist() == [
+    assert rollout.episode.context_mask[0][rollout.response_mask[0].bool()].nonzero().flatten().tolist() == [
         i for i in range(12) if i not in actions
     ]
     # each turn's stop token in the loss with its sampling log-prob; context log-probs never read (0)
     assert torch.all(rollout.logp_old[0, actions] < 0) and torch.all(
         rollout.logp_old[0, [1, 2, 3, 4, 5]] == 0
     )
-    assert rollout.turn_rewards[0, 0] == 0.25 and rollout.turn_rewards[0, 11] == 1.0
-    assert rollout.turn_rewards[0].sum() == 1.25
+    assert rollout.episode.turn_rewards[0, 0] == 0.25 and rollout.episode.turn_rewards[0, 11] == 1.0
+    assert rollout.episode.turn_rewards[0].sum() == 1.25
     assert (
-        bool(rollout.terminated[0]) and rollout.turns.tolist() == [3] and rollout.tool_calls.tolist() == [1]
+        bool(rollout.terminated[0])
+        and rollout.episode.counts["turns"].tolist() == [3]
+        and rollout.episode.counts["tool_calls"].tolist() == [1]
     )
     # never re-tokenised: prompt + episode is exactly the whole conversation as the template renders it
     conversation = [
@@ -98,7 +107,7 @@ def test_each_action_keeps_the_log_prob_it_was_sampled_at_in_the_whole_sequence(
     boost_token(policy, role_tokenizer().eos_token_id, 3.0)  # short turns: episodes with several of them
     torch.manual_seed(1)
     rollout = episodes(AnswerTwice, model=policy, max_new_tokens=6).generate(PROMPTS * 2, 0)
-    assert (rollout.turns > 1).any() and rollout.context_mask.sum() > 0
+    assert (rollout.episode.counts["turns"] > 1).any() and rollout.episode.context_mask.sum() > 0
     actions = rollout.action_mask.bool()
     with torch.no_grad():
         forced = token_logprobs(response_logits(policy, rollout), rollout.response_ids)
@@ -112,23 +121,26 @@ def test_the_context_never_reaches_the_loss_the_kl_or_the_credit_path():
 
     trainer = toy_trainer()
     rollout = episodes(Scripted).generate(["tell me a story", "write a poem"], 0)
-    context = rollout.context_mask.bool()
+    context = rollout.episode.context_mask.bool()
     gen = torch.Generator().manual_seed(0)
 
     def scored(noise: float) -> ScoredRollout:
         logp_ref = torch.randn(rollout.response_ids.shape, generator=gen) * noise
         values = torch.randn(rollout.response_ids.shape, generator=gen) * noise
         base = torch.full(rollout.response_ids.shape, -1.0)
+        logp_ref = torch.where(context, logp_ref, base)
+        kl_ref = core.kl_estimate(rollout.logp_old, logp_ref)  # stored as scoring does: on the actions only
         return ScoredRollout.after(
             rollout,
             rm_score=torch.tensor([0.5, -0.5]),
-            logp_ref=torch.where(context, logp_ref, base),
+            logp_ref=logp_ref,
+            kl_ref=torch.where(rollout.action_mask.bool(), kl_ref, 0.0),
             values=torch.where(context, values, base * 0.1),
             bootstrap_value=torch.zeros(2),
         )
 
-    first, first_rewards = advantages_of(scored(1.0), 0.1, trainer.cfg, trainer.spec)
-    second, second_rewards = advantages_of(scored(100.0), 0.1, trainer.cfg, trainer.spec)
+    first, first_rewards = advantages_of(scored(1.0), 0.1, trainer.spec.estimator)
+    second, second_rewards = advantages_of(scored(100.0), 0.1, trainer.spec.estimator)
     assert torch.equal(first_rewards.rewards, second_rewards.rewards)
     assert torch.equal(first.advantages, second.advantages) and torch.equal(first.returns, second.returns)
     assert torch.all(first.advantages[context] == 0) and torch.all(first_rewards.rewards[context] == 0)
@@ -163,7 +175,7 @@ def test_a_broken_environment_stops_with_a_message_naming_it():
 
 def test_max_turns_always_bounds_an_episode_and_truncates_it():
     rollout = episodes(NeverEnds, max_turns=3).generate(["tell me", "write"], 0)
-    assert rollout.turns.tolist() == [3, 3] and not rollout.terminated.any()
+    assert rollout.episode.counts["turns"].tolist() == [3, 3] and not rollout.terminated.any()
     # the last action ends the sequence: nothing inserted after it
     last = rollout.response_mask.sum(1).long() - 1
     assert torch.all(rollout.action_mask[torch.arange(2), last] == 1)

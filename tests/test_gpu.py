@@ -85,7 +85,7 @@ def test_generation_on_a_static_cache_ends_each_mask_at_the_first_eos(smollm2_co
     models = trainer.models
     torch.manual_seed(0)
     with trainer.autocast():
-        rollout = trainer.collect_rollout()
+        rollout = trainer.sampler.collect(trainer.policy_version)
     assert rollout.response_ids.device.type == DEVICE and rollout.logp_old.dtype == torch.float32
     mask = rollout.response_mask.bool()
     assert (

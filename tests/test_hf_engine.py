@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from lmppo.errors import LmppoError, LmppoWarning
 from lmppo.math.core import last_response_index, shaped_rewards, token_logprobs
 from lmppo.modeling.models import ValueModel
-from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.hf_engine import hf_generator
 from lmppo.sampling.passes import (
     response_logits,
     value_predictions,
@@ -82,8 +82,8 @@ def test_pad_equal_to_eos_keeps_real_eos_tokens_attended(make_policy_tokenizer, 
     """With pad == EOS, a mask built as ``ids != pad`` would hide the prompt's turn-ending EOS tokens."""
     tokenizer = make_policy_tokenizer(pad_is_eos=True)
     rollout = generate(make_causal_lm(tokenizer), tokenizer, max_new_tokens=4)
-    generator = HFGenerator(make_causal_lm(tokenizer), tokenizer, max_new_tokens=4)
-    rendered = [generator.render(p) for p in PROMPTS]
+    generator = hf_generator(make_causal_lm(tokenizer), tokenizer, max_new_tokens=4)
+    rendered = [generator.renderer.render(p) for p in PROMPTS]
     assert rollout.query_mask.sum(dim=1).tolist() == [len(ids) for ids in rendered]
     multi_turn = 2
     eos_in_prompt = (rollout.query_ids[multi_turn] == tokenizer.eos_token_id) & rollout.query_mask[
@@ -110,7 +110,7 @@ def test_rows_stopping_at_first_token_and_score_on_the_stop_token(
     assert (last[~rollout.terminated] == rollout.response_ids.shape[1] - 1).all()
     rm_score = torch.arange(len(rollout), dtype=torch.float32) + 1
     zeros = torch.zeros_like(rollout.logp_old)
-    rewards = shaped_rewards(rm_score, zeros, zeros, rollout.response_mask, beta=0.1)
+    rewards = shaped_rewards(rm_score, zeros, rollout.response_mask, beta=0.1)  # no KL
     torch.testing.assert_close(rewards[rows, last], rm_score)
     assert rewards.sum() == rm_score.sum()  # nothing placed anywhere else (e.g. on a trailing pad)
 
@@ -168,13 +168,13 @@ def test_draws_follow_the_tempered_truncated_distribution(policy_tokenizer, poli
     """The sampler: frequencies match softmax(logits / T) over the kept tokens, never a dropped one."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the off-policy warning for top-k / top-p
-        generator = HFGenerator(
+        generator = hf_generator(
             policy_model, policy_tokenizer, max_new_tokens=1, temperature=0.5, top_k=top_k, top_p=top_p
         )
     row = torch.tensor([1.0, 0.5, 0.0, -0.5, 0.2, -3.0])
     draws = 40_000
     torch.manual_seed(0)
-    tokens, logp = generator._draw(row.repeat(draws, 1))
+    tokens, logp = generator.engine._draw(row.repeat(draws, 1))
     expected = torch.softmax(row / 0.5, dim=0)
     keep = torch.ones_like(row, dtype=torch.bool)
     if top_k:
@@ -234,7 +234,7 @@ def test_a_shared_trunk_reads_its_values_off_the_decode_loop(policy_tokenizer, p
     torch.testing.assert_close(terminal.values[mask], rollout.values[mask])
     assert not terminal.bootstrap_value.any()
     with pytest.raises(ValueError, match="own trunk"):
-        HFGenerator(model, policy_tokenizer, max_new_tokens=4, value_model=ValueModel.from_causal_lm(model))
+        hf_generator(model, policy_tokenizer, max_new_tokens=4, value_model=ValueModel.from_causal_lm(model))
 
 
 def test_prompt_longer_than_the_context_window(policy_tokenizer, policy_model):
@@ -249,28 +249,28 @@ def test_prompt_longer_than_the_context_window(policy_tokenizer, policy_model):
         "<|assistant|>"
     )  # the end is kept
     with pytest.raises(LmppoError, match="context window"):
-        HFGenerator(policy_model, policy_tokenizer, max_new_tokens=8, max_prompt_length=125)
+        hf_generator(policy_model, policy_tokenizer, max_new_tokens=8, max_prompt_length=125)
 
 
 def test_tokenizer_without_chat_template(make_policy_tokenizer, policy_model):
     tokenizer = make_policy_tokenizer(chat_template=None)
     with pytest.raises(LmppoError, match="no chat template"):
-        HFGenerator(policy_model, tokenizer, max_new_tokens=4)
-    raw = HFGenerator(policy_model, tokenizer, max_new_tokens=4, raw_prompts=True)
-    assert raw.render("good cat") == tokenizer("good cat").input_ids
-    given = HFGenerator(
+        hf_generator(policy_model, tokenizer, max_new_tokens=4)
+    raw = hf_generator(policy_model, tokenizer, max_new_tokens=4, raw_prompts=True)
+    assert raw.renderer.render("good cat") == tokenizer("good cat").input_ids
+    given = hf_generator(
         policy_model, tokenizer, max_new_tokens=4, chat_template="{{ messages[0]['content'] }} <|assistant|>"
     )
-    assert given.render("good cat") == tokenizer("good cat <|assistant|>").input_ids
+    assert given.renderer.render("good cat") == tokenizer("good cat <|assistant|>").input_ids
 
 
 def test_invalid_sampling_settings(policy_tokenizer, policy_model):
     with pytest.raises(LmppoError, match="temperature"):
-        HFGenerator(policy_model, policy_tokenizer, max_new_tokens=4, temperature=0.0)
+        hf_generator(policy_model, policy_tokenizer, max_new_tokens=4, temperature=0.0)
     with pytest.raises(LmppoError, match="top_p"):
-        HFGenerator(policy_model, policy_tokenizer, max_new_tokens=4, top_p=0.0)
+        hf_generator(policy_model, policy_tokenizer, max_new_tokens=4, top_p=0.0)
     with pytest.raises(LmppoError, match="no prompts"):
-        HFGenerator(policy_model, policy_tokenizer, max_new_tokens=4).generate([], policy_version=0)
+        hf_generator(policy_model, policy_tokenizer, max_new_tokens=4).generate([], policy_version=0)
 
 
 def test_the_prefill_projects_contiguous_rows_onto_the_vocabulary(policy_tokenizer, policy_model):
@@ -294,12 +294,14 @@ def test_decode_batches_within_a_token_budget_sample_each_row_as_a_batch_of_its_
         max_new_tokens=8, stop_token_ids=stop_ids(policy_tokenizer), seed=5, value_model=value_model
     )
     one_row = len(policy_tokenizer(PROMPTS[0]).input_ids) + 8  # under any rendered prompt's cache
-    batched = HFGenerator(policy_model, policy_tokenizer, batch_tokens=one_row, **options)
+    batched = hf_generator(policy_model, policy_tokenizer, batch_tokens=one_row, **options)
     rollout = batched.generate(PROMPTS, policy_version=0)
-    assert batched.decode_tokens == rollout.query_mask[-1].sum() + 8  # the last batch: its row alone
+    assert (
+        batched.decode_budget.in_progress == rollout.query_mask[-1].sum() + 8
+    )  # the last batch: its row alone
     assert rollout.values.shape == rollout.response_ids.shape
     for i, prompt in enumerate(PROMPTS):
-        alone = HFGenerator(policy_model, policy_tokenizer, **options).generate([prompt], 0, sample_ids=[i])
+        alone = hf_generator(policy_model, policy_tokenizer, **options).generate([prompt], 0, sample_ids=[i])
         n = int(alone.response_mask.sum())
         assert torch.equal(rollout.response_ids[i, :n], alone.response_ids[0, :n])
         assert rollout.response_mask[i].sum() == n

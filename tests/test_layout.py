@@ -1,5 +1,6 @@
 """The codebase's shape: every module imports, none takes part in an import cycle, each is in the module
-table of docs/architecture.md and on one layer of its layer table, and no import points up a layer."""
+table of docs/architecture.md and on one layer of its layer table, no import points up a layer, and none
+imports the top package (the API's face)."""
 
 import ast
 import importlib
@@ -151,10 +152,13 @@ def architecture_layers() -> dict[str, int]:
 
 
 def layer_of(name: str, layers: dict[str, int]) -> int:
-    """A module's layer; a package's submodules (``lmppo.toy.task``) stand on the package's."""
+    """A module's layer; a package's submodules, at any depth (``lmppo.toy.task``,
+    ``lmppo.inputs.config.models``), stand on the package's."""
     if name == "lmppo":  # the package's public names come from the top: the API
         return max(layers.values())
-    return layers[name] if name in layers else layers[name.rsplit(".", 1)[0]]
+    while name not in layers and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return layers[name]
 
 
 def test_every_module_stands_on_exactly_one_layer():
@@ -183,3 +187,53 @@ def upward_imports(graph: dict[str, set[str]], layers: dict[str, int]) -> list[s
         for imported in sorted(imports)
         if layer_of(imported, layers) > layer_of(name, layers)
     ]
+
+
+def top_package_imports(source: str, modules: set[str]) -> list[str]:
+    """What ``source`` takes from the top package ``lmppo`` itself: ``import lmppo``, or ``from lmppo import
+    X`` where X is none of ``modules`` (``from lmppo import errors`` imports a module, not the package)."""
+    taken = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            taken += [alias.name for alias in node.names if alias.name == "lmppo"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "lmppo":
+            taken += [f"lmppo.{alias.name}" for alias in node.names if f"lmppo.{alias.name}" not in modules]
+    return taken
+
+
+def test_no_module_imports_the_top_package():
+    """``lmppo/__init__`` hands out the API (``lmppo.train`` imports the interface, which imports nearly
+    everything): a module that imports it closes a loop; the version is :mod:`lmppo.version`'s."""
+    modules = set(lmppo_modules())
+    inside = sorted(modules - {"lmppo", "lmppo.__main__"})
+    found = {
+        name: taken
+        for name in inside
+        if (taken := top_package_imports(module_file(name).read_text(), modules))
+    }
+    assert found == {}
+
+
+def test_the_top_package_check_finds_an_import():
+    source = "import lmppo\nfrom lmppo import __version__, errors\n"
+    assert top_package_imports(source, set(lmppo_modules())) == ["lmppo", "lmppo.__version__"]
+
+
+ENGINES = {"lmppo.sampling.hf_engine", "lmppo.sampling.vllm_engine"}  # one module per rollout engine
+ENGINE_FREE = ("lmppo.sampling.responses", "lmppo.sampling.episodes", "lmppo.training")
+
+
+def test_the_engines_are_peers_and_only_the_builder_names_one():
+    """An engine class subclasses no other engine's, and the generators (one response, episodes) and the
+    trainers reach an engine only through the ``Engine`` protocol: a new engine is one module and a line
+    in the builder."""
+    graph = import_graph()
+    for name in ENGINES:
+        tree = ast.parse(module_file(name).read_text())
+        for node in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            bases = {ast.unparse(base) for base in node.bases}
+            assert not bases & {"DecodeLoop", "VLLMEngine"}, f"{name}: {node.name} subclasses an engine"
+        assert not graph.get(name, set()) & ENGINES, f"{name} imports another engine"
+    for name, imported in graph.items():
+        if name.startswith(ENGINE_FREE):
+            assert not imported & ENGINES, f"{name} imports an engine module: {imported & ENGINES}"

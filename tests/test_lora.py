@@ -17,7 +17,7 @@ from lmppo.modeling.lora import (
     mergeable_lora_layers,
 )
 from lmppo.modeling.models import model_identity, trainable_parameters
-from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.hf_engine import hf_generator
 from lmppo.sampling.passes import sequence_logprobs
 
 
@@ -45,7 +45,7 @@ def test_lora_reference_is_the_base_and_the_adapter_changes_the_policy_only(poli
     torch.testing.assert_close(logits(reference), logits(base_copy), atol=1e-6, rtol=0)
     torch.testing.assert_close(logits(policy), adapted)  # adapter enabled again after the reference pass
 
-    rollout = HFGenerator(policy, policy_tokenizer, max_new_tokens=6).generate(["good cat", "tell me"], 0)
+    rollout = hf_generator(policy, policy_tokenizer, max_new_tokens=6).generate(["good cat", "tell me"], 0)
     torch.testing.assert_close(
         sequence_logprobs(reference, rollout), sequence_logprobs(base_copy, rollout), atol=1e-5, rtol=0
     )

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from helpers import BASE, boost_token, run_cli, toy_models, write_config
+from sample_environments import SPEC as EPISODES
 
 from lmppo.inputs.config import ModelSource, load_config
 from lmppo.modeling.loading import load_tokenizer
@@ -135,3 +136,14 @@ def test_check_rm_reads_the_reward_whatever_the_update_settings(run_files, capsy
     assert "reward pre-flight" in capsys.readouterr().out
     assert run_cli("ppo", str(config)) == 2  # the run refuses it, before loading a model
     assert "ppo.minibatch_size=64 is larger than the 4 responses of a step" in capsys.readouterr().err
+
+
+def test_check_rm_plays_episodes_on_fewer_prompts_than_its_batches_ask_for(run_files, capsys):
+    """diagnosis.preflight_batches (2) x rollout.batch_size (16) asks for 32 samples of a 16-prompt file: the
+    pre-flight samples each prompt once, episodes included (each resets on its own row)."""
+    (run_files.parent / "prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{p} {i}", "row": i}) + "\n" for i, p in enumerate(PROMPTS * 4))
+    )
+    rollout = {"batch_size": 16, "max_new_tokens": 6, "environment": EPISODES, "max_turns": 2}
+    assert run_cli("check-rm", str(write_config(run_files, rollout=rollout))) == 0
+    assert "reward pre-flight on 16 samples" in capsys.readouterr().out

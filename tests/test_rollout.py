@@ -113,6 +113,7 @@ def test_select_minibatches_and_to(policy_tokenizer, policy_model):
         sampled,
         rm_score=rows,
         logp_ref=sampled.logp_old,
+        kl_ref=torch.zeros_like(sampled.logp_old),
         advantages=rows[:, None].expand(-1, 3),
         returns=rows[:, None].expand(-1, 3),
     )

@@ -17,7 +17,7 @@ from lmppo.rewards.scoring import (
     load_reward_function,
     render_for_reward_model,
 )
-from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.hf_engine import hf_generator
 
 PROMPTS = ["tell me about the dog", [{"role": "user", "content": "write a poem"}], "sad day", "good"]
 RESPONSES = ["good good dog", "red sun and blue night", "it was a very happy day", "bad"]
@@ -62,7 +62,7 @@ def test_reward_model_scores_its_own_rendering_of_the_text(
         torch.testing.assert_close(scorer(PROMPTS, decoded), scores)
 
     # End to end: a rollout's texts are scored, never its ids (which mean other words to this RM).
-    rollout = HFGenerator(make_causal_lm(policy_tokenizer), policy_tokenizer, max_new_tokens=6).generate(
+    rollout = hf_generator(make_causal_lm(policy_tokenizer), policy_tokenizer, max_new_tokens=6).generate(
         PROMPTS, 0
     )
     from_texts = scorer(rollout.prompts, rollout.response_texts)

@@ -14,7 +14,7 @@ from lmppo.inputs.config import SupervisedConfig
 from lmppo.inputs.data import encode_chat, load_demonstrations
 from lmppo.math.core import token_logprobs
 from lmppo.modeling.loading import load_causal_lm
-from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.hf_engine import hf_generator
 from lmppo.toy.models import build_policy
 from lmppo.toy.task import demonstrations, gold_score, tokenizer_corpus, toy_datasets
 from lmppo.toy.tokenizer import policy_tokenizer, train_bpe
@@ -48,10 +48,10 @@ def test_labels_are_ignored_exactly_on_query_and_padding(tok):
 
 def test_sft_sequence_is_the_rollout_query_plus_response(tok):
     """SFT trains on exactly the prompt ids a rollout generates from, and on the full chat rendering."""
-    generator = HFGenerator(build_policy(tok, seed=0), tok, max_new_tokens=8)
+    generator = hf_generator(build_policy(tok, seed=0), tok, max_new_tokens=8)
     for ex in EXAMPLES:
         ids, labels = sft_features(tok, ex["prompt"], ex["response"])
-        query = generator.render(ex["prompt"])
+        query = generator.renderer.render(ex["prompt"])
         assert ids[: len(query)] == query and labels[len(query)] != IGNORE
         messages = (
             [{"role": "user", "content": ex["prompt"]}] if isinstance(ex["prompt"], str) else ex["prompt"]
@@ -166,7 +166,7 @@ def test_sft_policy_learns_the_toy_task(tok):
     train_sft(model, tok, data["sft_train"], epochs=8, lr=2e-3, batch_size=32, seed=0)
     prompts = [row["prompt"] for row in data["prompts_test"]]
     torch.manual_seed(0)
-    rollout = HFGenerator(model, tok, max_new_tokens=24).generate(prompts, policy_version=0)
+    rollout = hf_generator(model, tok, max_new_tokens=24).generate(prompts, policy_version=0)
     gold = statistics.mean(gold_score(p, r) for p, r in zip(prompts, rollout.response_texts))
     demo_gold = statistics.mean(gold_score(d["prompt"], d["response"]) for d in data["sft_test"])
     assert rollout.terminated.float().mean() > 0.95

@@ -21,7 +21,7 @@ from lmppo.modeling.distributed import seed_everything
 from lmppo.modeling.loading import cache_gguf_as_transformers, load_causal_lm, load_tokenizer, resolve_source
 from lmppo.modeling.models import model_identity
 from lmppo.runs.build import build_trainer, load_models
-from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.hf_engine import hf_generator
 from lmppo.sampling.passes import response_logits, sequence_logprobs
 
 pytestmark = pytest.mark.slow
@@ -61,10 +61,10 @@ def test_smollm2_chat_template_sampling_and_masks(smollm2):
     assert model.config.tie_word_embeddings
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
-    generator = HFGenerator(model, tokenizer, max_new_tokens=16, temperature=0.7)
-    rendered = tokenizer.decode(generator.render(PROMPTS[0]))
+    generator = hf_generator(model, tokenizer, max_new_tokens=16, temperature=0.7)
+    rendered = tokenizer.decode(generator.renderer.render(PROMPTS[0]))
     assert rendered.startswith("<|im_start|>system\n") and rendered.endswith("<|im_start|>assistant\n")
-    assert tokenizer.decode(generator.render(PROMPTS[2])).startswith(
+    assert tokenizer.decode(generator.renderer.render(PROMPTS[2])).startswith(
         "<|im_start|>system\nYou are terse.<|im_end|>"
     )
 
@@ -169,15 +169,15 @@ def test_two_lora_ppo_steps_on_smollm2(smollm2, tmp_path, value_mode):
     value_trained = [k for k, v in trainer.value_model.named_parameters() if v.requires_grad]
     assert all("lora_" in k or k.startswith("head.") for k in value_trained)
     rollouts, scored = [], []  # what the engine sampled; what scoring made of it (logp_ref)
-    generate, score = trainer.generator.generate, trainer.score
+    generate, score = trainer.generator.generate, trainer.scorer.score
     trainer.generator.generate = lambda *args: rollouts.append(generate(*args)) or rollouts[-1]
 
-    def keep_scored(rollout):
-        record, scores = score(rollout)
+    def keep_scored(rollout, policy_version, seconds):
+        record, reward = score(rollout, policy_version, seconds)
         scored.append(record)
-        return record, scores
+        return record, reward
 
-    trainer.score = keep_scored
+    trainer.scorer.score = keep_scored
 
     metrics = [trainer.step() for _ in range(2)]
     logp_ref_after = sequence_logprobs(models.reference, rollouts[0])

@@ -85,7 +85,7 @@ def test_bf16_precision_runs_the_passes_in_bf16_and_keeps_fp32_masters():
             models=toy_models(head_scale=1.0),  # logits large enough for bf16 rounding to show
         )
         with trainer.autocast():
-            first_rollouts[precision] = trainer.collect_rollout()
+            first_rollouts[precision] = trainer.sampler.collect(trainer.policy_version)
         metrics = trainer.step()
         assert abs(metrics["policy/ratio_mean"] - 1.0) < 1e-2 and metrics["engine/logp_gap"] < 1e-2
     fp32, bf16 = first_rollouts["fp32"], first_rollouts["bf16"]
@@ -163,7 +163,7 @@ def test_truncated_importance_sampling_corrects_an_engine_gap():
         trainer = toy_trainer(
             "ppo.ppo_epochs=1", "ppo.minibatch_size=8", *([f"ppo.tis_cap={cap}"] if cap else [])
         )
-        trainer.generator = OffByEngine(trainer.generator, shift=0.5)
+        trainer.sampler.generator = OffByEngine(trainer.generator, shift=0.5)
         metrics[cap] = trainer.step()
     assert metrics[None]["engine/logp_gap"] == pytest.approx(0.5, abs=1e-4)
     assert metrics[None]["policy/ratio_mean"] == pytest.approx(math.exp(0.5), rel=1e-3)  # off-policy ratio
@@ -177,10 +177,10 @@ def test_truncated_importance_sampling_corrects_an_engine_gap():
 
 def test_stale_rollouts_are_refused_and_regenerated():
     trainer = toy_trainer("rollout.max_rollout_age=1")
-    trainer.generator = StaleGenerator(trainer.generator, [5, 1])  # too old, then acceptable
+    trainer.sampler.generator = StaleGenerator(trainer.generator, [5, 1])  # too old, then acceptable
     metrics = trainer.step()
     assert trainer.generator.calls == 2 and metrics["lag/policy_versions"] == 1
-    trainer.generator = StaleGenerator(trainer.generator.inner, [])  # always too old
+    trainer.sampler.generator = StaleGenerator(trainer.generator.inner, [])  # always too old
     with pytest.raises(LmppoError, match="max_rollout_age=1"):
         trainer.step()
 
@@ -350,7 +350,7 @@ def test_a_shared_trunk_critic_takes_its_stored_values_from_the_decode_loop():
     """No values pass (``perf/values_s`` 0), and the step's numbers are those of the values pass."""
     from lmppo.modeling.models import ValueModel
     from lmppo.runs.build import generator_options
-    from lmppo.sampling.hf_engine import HFGenerator
+    from lmppo.sampling.hf_engine import hf_generator
 
     def shared_models():
         models = toy_models()
@@ -361,7 +361,7 @@ def test_a_shared_trunk_critic_takes_its_stored_values_from_the_decode_loop():
     reads = toy_trainer("models.value.mode=shared", models=shared_models())
     read_metrics = reads.step()  # each trainer seeds the global generator: build and step one at a time
     models = shared_models()
-    plain = HFGenerator(models.policy, models.tokenizer, **generator_options(reads.cfg))  # no value model
+    plain = hf_generator(models.policy, models.tokenizer, **generator_options(reads.cfg))  # no value model
     pass_metrics = toy_trainer("models.value.mode=shared", models=models, generator=plain).step()
     assert read_metrics["perf/values_s"] == 0.0 < pass_metrics["perf/values_s"]
     for name, value in pass_metrics.items():
@@ -421,8 +421,8 @@ def test_sequence_mean_weighs_every_response_alike_where_token_mean_weighs_every
         trainer = toy_trainer(f"ppo.loss_aggregation={aggregation}")
         torch.manual_seed(3)
         rollout = trainer.generator.generate(PROMPTS * 2, trainer.policy_version)
-        scored, scores = trainer.score(rollout)
-        rollout, _ = estimate(scored, scores, trainer.kl_controller.value, trainer.cfg, trainer.spec)
+        scored, _ = trainer.scorer.score(rollout, trainer.policy_version, {})
+        rollout, _ = estimate(scored, trainer.kl_controller.value, trainer.spec.estimator)
         rollout = rollout.select(torch.arange(len(rollout)))  # as a minibatch: out of inference mode
         mask, advantages = rollout.response_mask, rollout.advantages
         assert 0 < mask.sum(1).min() < mask.sum(1).max()  # ragged responses
@@ -446,11 +446,11 @@ def test_asynchronous_rollouts_are_one_version_behind_and_the_ratio_is_taken_aga
     assert [r["lag/policy_versions"] for r in records] == [0.0, 1.0, 1.0]
     assert records[0]["engine/logp_gap"] < 1e-5 < records[1]["engine/logp_gap"]
     assert all(r["perf/generation_s"] > 0 for r in records)
-    assert trainer.ahead.pending is not None  # step 4's batch is sampling already
-    trainer.ahead.finished()
-    snapshot = dict(trainer.generator.model.named_parameters())
+    assert trainer.sampler.ahead.pending is not None  # step 4's batch is sampling already
+    trainer.sampler.ahead.finished()
+    snapshot = dict(trainer.generator.engine.model.named_parameters())
     assert all(torch.equal(p, snapshot[name]) for name, p in trainer.policy.named_parameters())
-    assert trainer.generator.synced_version == trainer.policy_version == 3
+    assert trainer.generator.engine.synced_version == trainer.policy_version == 3
 
 
 def test_overlong_shaping_takes_its_penalty_from_the_score():
@@ -469,14 +469,14 @@ def test_dynamic_sampling_replaces_flat_groups_with_new_prompts():
     """Half the prompts give groups that all score alike: they are set aside and the next prompts are
     sampled until 8 groups with a signal fill the batch; the rows keep the scores sampling gave them."""
     trainer = toy_trainer(*DYNAMIC_SAMPLING, models=scored_by(signal_on_cats))
-    rollout = trainer.sample({})
+    rollout = trainer.sampler.sample(trainer.policy_version, {})
     assert len(rollout) == 16 and all("cat" in str(p) or "happy" in str(p) for p in rollout.prompts)
-    assert trainer.sampling_metrics["rollout/flat_groups_kept"] == 0
-    assert trainer.sampling_metrics["rollout/extra_rounds"] >= 1  # 4 of each round's 8 prompts are flat
+    assert trainer.sampler.metrics["rollout/flat_groups_kept"] == 0
+    assert trainer.sampler.metrics["rollout/extra_rounds"] >= 1  # 4 of each round's 8 prompts are flat
     dropped, signal = (
-        trainer.sampling_metrics[k] for k in ("rollout/flat_groups_dropped", "rollout/signal_groups")
+        trainer.sampler.metrics[k] for k in ("rollout/flat_groups_dropped", "rollout/signal_groups")
     )
-    assert signal >= 8 and dropped == 8 * (1 + trainer.sampling_metrics["rollout/extra_rounds"]) - signal
+    assert signal >= 8 and dropped == 8 * (1 + trainer.sampler.metrics["rollout/extra_rounds"]) - signal
     assert torch.equal(
         torch.tensor(rollout.reward_raw)[:, 0], signal_on_cats(rollout.prompts, rollout.response_texts)
     )

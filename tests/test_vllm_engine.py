@@ -29,7 +29,7 @@ from transformers import LlamaForCausalLM
 from lmppo.math.core import token_logprobs
 from lmppo.modeling.loading import load_causal_lm, load_tokenizer
 from lmppo.modeling.lora import apply_lora
-from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.hf_engine import hf_generator
 from lmppo.sampling.passes import response_logits
 from lmppo.training.metrics import read_metrics
 
@@ -64,12 +64,12 @@ def tiny_dir(tmp_path_factory):
 def engine(tiny_dir):
     """One engine for the module: start-up takes seconds."""
     pytest.importorskip("vllm")
-    from lmppo.sampling.vllm_engine import VLLMGenerator
+    from lmppo.sampling.vllm_engine import vllm_generator
 
     policy, tokenizer = load_causal_lm(tiny_dir), load_tokenizer(tiny_dir)
-    generator = VLLMGenerator(policy, tokenizer, tiny_dir, max_new_tokens=12, temperature=0.7, seed=0)
+    generator = vllm_generator(policy, tokenizer, tiny_dir, max_new_tokens=12, temperature=0.7, seed=0)
     yield policy, tokenizer, generator
-    del generator.engine
+    del generator.engine.llm
     gc.collect()
 
 
@@ -79,7 +79,7 @@ def test_the_transformers_decode_loop_uses_its_cache_under_this_environments_tra
     pass it under that name, or every step would see one token and no context."""
     policy, tokenizer = load_causal_lm(tiny_dir), load_tokenizer(tiny_dir)
     torch.manual_seed(0)
-    rollout = HFGenerator(policy, tokenizer, max_new_tokens=12, temperature=0.7).generate(
+    rollout = hf_generator(policy, tokenizer, max_new_tokens=12, temperature=0.7).generate(
         PROMPTS, policy_version=0
     )
     mask = rollout.response_mask.bool()
@@ -95,7 +95,9 @@ def teacher_forced(policy, rollout):
 def test_engine_rollout_masks_termination_and_logprobs_match_the_trainer(engine):
     policy, tokenizer, generator = engine
     rollout = generator.generate(PROMPTS * 4, policy_version=7)
-    assert rollout.policy_version == generator.synced_version == 0  # the engine's version, not the caller's
+    assert (
+        rollout.policy_version == generator.engine.synced_version == 0
+    )  # the engine's version, not the caller's
     eos = tokenizer.eos_token_id
     for b in range(len(rollout)):
         ids, n = rollout.response_ids[b], int(rollout.response_mask[b].sum())
@@ -119,11 +121,17 @@ def test_episodes_on_the_engine_keep_its_log_probs_at_the_actions(engine):
 
     policy, tokenizer, generator = engine
     episodes = EpisodeGenerator(
-        generator, AnswerTwice, name="tests", max_turns=3, max_total_tokens=48, seed=0
+        generator.engine,
+        generator.renderer,
+        AnswerTwice,
+        name="tests",
+        max_turns=3,
+        max_total_tokens=48,
+        seed=0,
     )
     rollout = episodes.generate(PROMPTS * 4, policy_version=7)
-    assert rollout.policy_version == generator.synced_version  # the engine's version
-    assert rollout.context_mask.sum() > 0 and (rollout.turns > 1).any()
+    assert rollout.policy_version == generator.engine.synced_version  # the engine's version
+    assert rollout.episode.context_mask.sum() > 0 and (rollout.episode.counts["turns"] > 1).any()
     actions = rollout.action_mask.bool()
     gap = (teacher_forced(policy, rollout) - rollout.logp_old)[actions].abs().max().item()
     assert gap < TOLERANCE, f"engine log-probs at the actions differ from the trainer's by {gap:.2e}"
@@ -145,15 +153,17 @@ def test_a_ppo_step_syncs_the_engine_to_the_new_weights(engine, tiny_dir):
         tokenizer,
         load_reward_function(COUNT_GOOD),
     )
-    sequence = generator.render(PROMPTS[0]) + tokenizer.convert_tokens_to_ids(["the", "cat", "is", "happy"])
-    before = generator.sequence_logprobs([sequence])[0]
+    sequence = generator.renderer.render(PROMPTS[0]) + tokenizer.convert_tokens_to_ids(
+        ["the", "cat", "is", "happy"]
+    )
+    before = generator.engine.prompt_logprobs([sequence])[0]
     # the run's spec says the engine is vLLM's, which holds its own weights: the trainer syncs it
     engine_is_vllm = ("rollout.engine=vllm", f"models.policy.path={tiny_dir}")
     trainer = toy_trainer("ppo.lr=1e-2", *engine_is_vllm, models=models, generator=generator)
     metrics = trainer.step()
-    assert trainer.policy_version == generator.synced_version == 1
+    assert trainer.policy_version == generator.engine.synced_version == 1
     assert metrics["perf/weight_sync_s"] > 0 and metrics["engine/logp_gap"] < TOLERANCE
-    after = generator.sequence_logprobs([sequence])[0]
+    after = generator.engine.prompt_logprobs([sequence])[0]
     assert (after - before).abs().max() > 100 * TOLERANCE  # the weights moved
     torch.testing.assert_close(after, trainer_logprobs(policy, sequence), atol=TOLERANCE, rtol=0)
     assert math.isfinite(metrics["policy/loss"])
@@ -164,15 +174,17 @@ def test_lora_weight_sync_serves_each_new_adapter_and_keeps_the_base_weights(tin
     """weight_sync="lora": the engine keeps the base weights and serves the adapter saved at each sync, so
     after every sync its log-probs are the LoRA policy's (two syncs: the second adapter replaces the first)."""
     pytest.importorskip("vllm")
-    from lmppo.sampling.vllm_engine import VLLMGenerator
+    from lmppo.sampling.vllm_engine import vllm_generator
 
     tokenizer = load_tokenizer(tiny_dir)
     policy = apply_lora(load_causal_lm(tiny_dir), r=4, alpha=8, target_modules="all-linear")
-    generator = VLLMGenerator(
+    generator = vllm_generator(
         policy, tokenizer, tiny_dir, max_new_tokens=12, temperature=0.7, weight_sync="lora"
     )
-    sequence = generator.render(PROMPTS[0]) + tokenizer.convert_tokens_to_ids(["the", "cat", "is", "happy"])
-    base = generator.sequence_logprobs([sequence])[0]  # a fresh adapter is zero: the base weights serve
+    sequence = generator.renderer.render(PROMPTS[0]) + tokenizer.convert_tokens_to_ids(
+        ["the", "cat", "is", "happy"]
+    )
+    base = generator.engine.prompt_logprobs([sequence])[0]  # a fresh adapter is zero: the base weights serve
     torch.testing.assert_close(base, trainer_logprobs(policy, sequence), atol=TOLERANCE, rtol=0)
     for version in (1, 2):
         with torch.no_grad():
@@ -180,13 +192,13 @@ def test_lora_weight_sync_serves_each_new_adapter_and_keeps_the_base_weights(tin
                 if "lora_B" in name:
                     param.normal_(std=0.5)
         generator.sync_weights(policy, version)
-        served = generator.sequence_logprobs([sequence])[0]
-        assert generator.synced_version == version and (served - base).abs().max() > 100 * TOLERANCE
+        served = generator.engine.prompt_logprobs([sequence])[0]
+        assert generator.engine.synced_version == version and (served - base).abs().max() > 100 * TOLERANCE
         torch.testing.assert_close(served, trainer_logprobs(policy, sequence), atol=TOLERANCE, rtol=0)
     rollout = generator.generate(PROMPTS * 2, policy_version=2)
     mask = rollout.response_mask.bool()
     assert (teacher_forced(policy, rollout) - rollout.logp_old)[mask].abs().max() < TOLERANCE  # sampling too
-    del generator.engine
+    del generator.engine.llm
     gc.collect()
 
 

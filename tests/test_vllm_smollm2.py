@@ -15,15 +15,15 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def test_engine_on_smollm2_stops_at_im_end_and_matches_the_trainer():
     pytest.importorskip("vllm")
-    from lmppo.sampling.vllm_engine import VLLMGenerator
+    from lmppo.sampling.vllm_engine import vllm_generator
 
     directory = cache_gguf_as_transformers(smollm2_gguf(), CACHE_DIR)
     policy, tokenizer = load_causal_lm(directory), load_tokenizer(directory)
-    generator = VLLMGenerator(policy, tokenizer, directory, max_new_tokens=16, temperature=0.7, seed=0)
+    generator = vllm_generator(policy, tokenizer, directory, max_new_tokens=16, temperature=0.7, seed=0)
     try:
         rollout = generator.generate(PROMPTS, policy_version=0)
     finally:
-        del generator.engine
+        del generator.engine.llm
         gc.collect()
     assert rollout.terminated.any() and not rollout.terminated.all()  # short answers stop, the story is cut
     assert_masks_around_im_end(rollout, tokenizer, max_new_tokens=16)

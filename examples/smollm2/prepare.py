@@ -165,10 +165,10 @@ def make_pairs(judge, model, tokenizer, rows: list[dict], split: str, args) -> t
     """``args.samples_per_prompt`` responses per prompt, judged (all written to samples_{split}.jsonl): the
     natural pairs (the first two responses, ranked by the judge's reward) and the correctness-contrast
     pairs (new ones only)."""
-    from lmppo.sampling.hf_engine import HFGenerator
+    from lmppo.sampling.hf_engine import hf_generator
 
     k = args.samples_per_prompt
-    generator = HFGenerator(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=1.0)
+    generator = hf_generator(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=1.0)
     prompts = [r["prompt"] for r in rows for _ in range(k)]  # a prompt's samples sit side by side
     texts, _ = sample(generator, prompts, args.batch_size)
     judged = [(t, judge.judge_row(p, t)) for p, t in zip(prompts, texts)]
@@ -227,11 +227,11 @@ def spread_over_kinds(rows: list[dict], n: int, seed: int) -> list[dict]:
 
 
 def baseline(judge, model, tokenizer, rows: list[dict], args) -> None:
-    from lmppo.sampling.hf_engine import HFGenerator
+    from lmppo.sampling.hf_engine import hf_generator
 
     picked = spread_over_kinds(rows, args.baseline, args.seed)
     k = args.baseline_samples
-    generator = HFGenerator(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=0.7)
+    generator = hf_generator(model, tokenizer, max_new_tokens=args.max_new_tokens, temperature=0.7)
     prompts = [r["prompt"] for r in picked for _ in range(k)]  # a prompt's samples side by side
     texts, eos = sample(generator, prompts, args.batch_size)
     judged = [

@@ -40,7 +40,7 @@ def evaluate(model_dir: str, overrides: list[str]) -> None:
     from lmppo.rewards.scoring import load_reward_function
     from lmppo.runs.build import generator_options, with_environment
     from lmppo.runs.evaluate import evaluate_policy
-    from lmppo.sampling.hf_engine import HFGenerator
+    from lmppo.sampling.hf_engine import hf_generator
     from lmppo.user_code import load_function
 
     cfg = load_config(HERE / "ppo.yaml", [f"models.policy.path={model_dir}", *overrides])
@@ -58,7 +58,7 @@ def evaluate(model_dir: str, overrides: list[str]) -> None:
         slices=[row["kind"] for row in load_prompt_rows(path)],
         batch_size=cfg.run.eval_batch_size,
         seed=cfg.run.seed,
-        generator=with_environment(cfg, spec.engine, HFGenerator(policy, tokenizer, **options)),
+        generator=with_environment(cfg, spec.engine, hf_generator(policy, tokenizer, **options)),
         rows=load_prompt_rows(path),
     )
     print(f"{model_dir}: {len(result.rows)} held-out problems in {time.perf_counter() - start:.0f} s")

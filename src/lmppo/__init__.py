@@ -2,13 +2,13 @@
 
 import logging
 
+from lmppo.version import __version__ as __version__  # re-exported: lmppo.__version__
+
 # torchao (lmppo[quantize]) is imported by peft and transformers whenever it is installed, and logs on
 # import every optional CUDA kernel library it cannot load here, as torch logs its enum registrations:
 # nothing a user of lmppo can act on. Errors still pass.
 for _logger in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_logger).setLevel(logging.ERROR)
-
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str):

@@ -20,7 +20,7 @@ from lmppo.inputs.config import Config, LoraConfig, ModelSource, SupervisedConfi
 
 HEADER = """# Configuration reference
 
-Generated from `src/lmppo/inputs/config.py` by `python -m lmppo.inputs.config_reference > docs/config.md`; a
+Generated from `src/lmppo/inputs/config/` by `python -m lmppo.inputs.config_reference > docs/config.md`; a
 test fails when this page is stale. A config is YAML with these sections; any key can be overridden on the
 command line as `section.key=value` (`lmppo ppo CONFIG ppo.lr=3e-6 rollout.asynchronous=true`), list items by
 index (`reward.components.1.weight=2`). Unknown keys are errors naming the nearest valid one. `lmppo init`

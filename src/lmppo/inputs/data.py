@@ -456,7 +456,7 @@ class PromptBatch:
 
     prompts: list[Prompt]
     sample_ids: list[int]
-    rows: list[dict[str, Any]] | None = None  # each prompt's whole row, for an environment (or None)
+    rows: list[dict[str, Any]]  # each prompt's whole row: what an environment resets on
 
 
 class PromptStream:
@@ -483,7 +483,8 @@ class PromptStream:
             raise LmppoError(f"rollout.batch_size={batch_size} must be divisible by the {world_size} ranks")
         if batch_size > len(prompts):
             raise LmppoError(f"rollout.batch_size={batch_size} is larger than the {len(prompts)} prompts")
-        self.prompts, self.rows = prompts, rows
+        self.prompts = prompts
+        self.rows = [{"prompt": prompt} for prompt in prompts] if rows is None else rows
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.samples_per_prompt = samples_per_prompt
         self.rank, self.world_size = rank, world_size
@@ -513,8 +514,8 @@ class PromptStream:
         self.cursor += self.batch_size
         mine = order[self.rank * per_rank : (self.rank + 1) * per_rank]
         picked = [i for i in mine for _ in range(self.samples_per_prompt)]
-        rows = None if self.rows is None else [self.rows[i] for i in picked]
-        return PromptBatch([self.prompts[i] for i in picked], list(range(first, first + len(picked))), rows)
+        sample_ids = list(range(first, first + len(picked)))
+        return PromptBatch([self.prompts[i] for i in picked], sample_ids, [self.rows[i] for i in picked])
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "cursor": self.cursor}

@@ -3,7 +3,9 @@ config into a :class:`RunSpec`: the device, the precision, the strategy and what
 :class:`RoleSpec` per model (where its weights come from and in which dtype, what of it is trained, what
 it shares with whom, how many ranks hold a part of it). ``lmppo plan``, the builders, the trainer, the
 pre-flight and both evaluations read the spec and decide none of these themselves. Every check that needs
-more than one section (world size, strategy, engine, critic source, 16-bit trained weights) runs here.
+more than one section (the estimator against the sampling, truncation against the reward's penalty, world
+size, strategy, checkpoints, engine, critic source, 16-bit trained weights) runs here; the config's sections
+check only their own keys.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class RunSpec:
     value: RoleSpec | None  # None: a critic-free estimator or best-of-n, no value model
     algorithm: str  # run.algorithm: "ppo" or "best_of_n"
     estimator: EstimatorSpec
+    compile: bool  # run.compile: the update's forward and the stored passes through torch.compile
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -121,6 +124,7 @@ def resolve(
 ) -> RunSpec:
     """The run ``cfg`` describes on ``world_size`` ranks of ``device`` (default: ``run.device``).
     ``present=False`` for a plan, which may be made for a CUDA device this machine does not have."""
+    check_sections(cfg)
     device = torch.device(device) if device is not None else resolve_device(cfg.run.device, present=present)
     precision, precision_reason = resolve_precision(cfg.run.precision, device)
     check_distributed(cfg, world_size)
@@ -155,6 +159,7 @@ def resolve(
         value=value_role(cfg, policy, rewards, trained_shards) if estimator.critic else None,
         algorithm=cfg.run.algorithm,
         estimator=estimator,
+        compile=cfg.run.compile,
     )
 
 
@@ -175,6 +180,8 @@ def resolve_estimator(cfg: Config) -> EstimatorSpec:
         lam_policy=_lam(ppo.lam_policy, ppo.lam),
         lam_critic=_lam(ppo.lam_critic, ppo.lam),
         lam_alpha=ppo.lam_alpha,
+        gamma=ppo.gamma,
+        kl_estimator=cfg.kl.estimator,
     )
 
 
@@ -394,6 +401,84 @@ def saved_critic_mode(path: Path) -> str | None:
 # --------------------------------------------------------------------------------------------------
 # Checks across sections
 # --------------------------------------------------------------------------------------------------
+
+
+def check_sections(cfg: Config) -> None:
+    """The checks across sections that read the config alone (no device, ranks or files): :func:`resolve`
+    makes them first, and the quickstart before its first stage trains."""
+    check_missing_eos_penalty(cfg)
+    check_sharded_checkpoints(cfg)
+    check_weight_sync(cfg)
+    check_estimator(cfg)
+
+
+def check_missing_eos_penalty(cfg: Config) -> None:
+    """A penalty on truncated rows' scores needs truncated rows to be scored."""
+    penalised = [c for c in cfg.reward.sources() if c.missing_eos_penalty is not None]
+    if penalised and cfg.rollout.truncation == "bootstrap":
+        key = "reward" if not cfg.reward.components else f"reward component {penalised[0].name!r}"
+        raise LmppoError(
+            f"{key}'s missing_eos_penalty penalises truncated rows' scores, but rollout.truncation=bootstrap "
+            "gives truncated rows no score: set rollout.truncation=terminal or remove the penalty"
+        )
+
+
+def check_sharded_checkpoints(cfg: Config) -> None:
+    """Each rank writes its own shards only where FSDP2 made some."""
+    if cfg.distributed.checkpoint == "sharded" and cfg.distributed.strategy != "fsdp2":
+        raise LmppoError(
+            "distributed.checkpoint=sharded writes each rank's FSDP2 shards, and distributed.strategy="
+            f"{cfg.distributed.strategy} has none; set distributed.strategy=fsdp2 or distributed.checkpoint=full"
+        )
+
+
+def check_weight_sync(cfg: Config) -> None:
+    """vLLM can be sent the policy's LoRA adapters alone only when it has some."""
+    if cfg.rollout.vllm_weight_sync == "lora" and not cfg.models.policy_lora.enabled:
+        raise LmppoError(
+            "rollout.vllm_weight_sync=lora pushes the policy's LoRA adapters, and models.policy_lora is off: "
+            "set models.policy_lora.enabled=true or rollout.vllm_weight_sync=merged"
+        )
+
+
+def check_estimator(cfg: Config) -> None:
+    """``ppo.advantage`` and best-of-n against the sampling: a group baseline, and best-of-n's choice, need
+    several samples per prompt; a critic-free estimator takes no setting of a critic."""
+    advantage, n = cfg.ppo.advantage, cfg.rollout.samples_per_prompt
+    estimator = ESTIMATORS[advantage]
+    if cfg.run.algorithm == "best_of_n" and n < 2:
+        raise LmppoError(
+            f"best-of-n keeps the best of rollout.samples_per_prompt responses per prompt, and it is {n}; "
+            "set rollout.samples_per_prompt to K >= 2 (4 or 8 is usual)"
+        )
+    if estimator.groups and n < 2:
+        raise LmppoError(
+            f"ppo.advantage={advantage} compares the samples of one prompt, and rollout.samples_per_prompt"
+            f"={n} draws one; set rollout.samples_per_prompt to 2 or more (4-16 is usual)"
+        )
+    if not estimator.critic:
+        check_critic_free(cfg)
+
+
+def check_critic_free(cfg: Config) -> None:
+    """A critic-free ``ppo.advantage`` with no setting that needs a critic's values."""
+    advantage = cfg.ppo.advantage
+    if cfg.rollout.truncation == "bootstrap":
+        raise LmppoError(
+            f"rollout.truncation=bootstrap values a truncated row by the critic, and ppo.advantage="
+            f"{advantage} has none; set rollout.truncation=terminal or ppo.advantage=gae"
+        )
+    if cfg.ppo.critic_warmup_steps:
+        raise LmppoError(
+            f"ppo.critic_warmup_steps trains the critic alone, and ppo.advantage={advantage} has none; "
+            "remove it or set ppo.advantage=gae"
+        )
+    lams = [k for k in ("lam_policy", "lam_critic") if getattr(cfg.ppo, k) is not None]
+    if lams:
+        raise LmppoError(
+            f"ppo.{lams[0]} is a lambda of GAE over the critic's values, and ppo.advantage={advantage} "
+            "has no critic (its return is the reward-to-go); remove it or set ppo.advantage=gae"
+        )
 
 
 def check_distributed(cfg: Config, world_size: int) -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from lmppo import __version__
 from lmppo.errors import Interrupted, LmppoError
 from lmppo.errors import console as make_console
 from lmppo.rewards.limits import Limits
+from lmppo.version import __version__
 
 app = typer.Typer(
     name="lmppo",
@@ -435,10 +435,10 @@ def check_rm(
     from lmppo.inputs.config import load_config
 
     cfg = load_config(config, list(overrides or []))
-    from lmppo.runs.preflight import check_reward, preflight_tables, summary_line
+    from lmppo.runs.preflight import check_rm, preflight_tables, summary_line
 
     _quiet_transformers_unless_verbose()
-    preflight, bias = check_reward(cfg)
+    preflight, bias = check_rm(cfg)
     out = make_console()  # stdout: a result
     for table in preflight_tables(preflight):
         out.print(table)

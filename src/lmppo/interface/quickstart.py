@@ -28,14 +28,13 @@ from lmppo.errors import GuardAbort, LmppoError
 from lmppo.errors import console as make_console
 from lmppo.inputs.config import QuickstartConfig, TrainingStage, apply_override, validate_config
 from lmppo.inputs.data import Prompt, load_demonstrations, read_jsonl
-from lmppo.inputs.resolve import resolve
+from lmppo.inputs.resolve import check_sections, resolve
 from lmppo.modeling.loading import load_causal_lm, load_tokenizer
 from lmppo.modeling.models import PPOModels
-from lmppo.runs.build import generator_options, load_reward, with_environment
+from lmppo.runs.build import generator_options, load_reward, policy_generator
 from lmppo.runs.evaluate import EvalResult, GoldJudge, evaluate_policy, summary_table, write_eval_json
 from lmppo.runs.report import report
 from lmppo.runs.run import train
-from lmppo.sampling.hf_engine import HFGenerator
 from lmppo.toy import task, tools
 from lmppo.toy.models import ToyWorld, build_toy_world, load_toy_world, reward_model_from_policy
 from lmppo.training.reward_modeling import evaluate_reward_model, train_reward_model, write_rm_eval_json
@@ -81,7 +80,8 @@ def quickstart_config(
     out_dir: Path, models_dir: Path, world, overrides: list[str], settings: str = "quickstart.yaml"
 ) -> QuickstartConfig:
     """The packaged ``settings`` with this run's paths (the SFT and RM under ``models_dir``), then the user's
-    overrides (PPO keys need no prefix)."""
+    overrides (PPO keys need no prefix); the PPO run's sections checked against each other before a stage
+    trains."""
     raw = yaml.safe_load(resources.files("lmppo.toy").joinpath(settings).read_text())
     paths = [
         f"models.policy.path={models_dir / 'sft'}",
@@ -93,7 +93,9 @@ def quickstart_config(
     for override in [*paths, *overrides]:
         stage = override.split(".", 1)[0] in STAGE_SECTIONS
         apply_override(raw, override if stage else f"ppo_run.{override}")
-    return validate_config(raw, source="quickstart settings", schema=QuickstartConfig)
+    cfg = validate_config(raw, source="quickstart settings", schema=QuickstartConfig)
+    check_sections(cfg.ppo_run)
+    return cfg
 
 
 def train_sft_and_reward_model(
@@ -222,10 +224,9 @@ def held_out_evaluation(ppo_cfg, world: ToyWorld, toy: ToyTask, tokenizer) -> Ca
     rows = read_jsonl(world.data["prompts_test"])
     prompts = [row["prompt"] for row in rows]
     demonstrations = [{"prompt": p, "response": r} for p, r in load_demonstrations(world.data["sft_test"])]
-    engine = resolve(ppo_cfg).engine
+    spec = resolve(ppo_cfg)
 
     def evaluate(policy, reference, reward) -> EvalResult:
-        generator = HFGenerator(policy, tokenizer, **generator_options(ppo_cfg))
         return evaluate_policy(
             policy,
             tokenizer,
@@ -238,7 +239,7 @@ def held_out_evaluation(ppo_cfg, world: ToyWorld, toy: ToyTask, tokenizer) -> Ca
             generator_options=generator_options(ppo_cfg),
             batch_size=ppo_cfg.run.eval_batch_size,
             seed=ppo_cfg.run.seed,
-            generator=with_environment(ppo_cfg, engine, generator),
+            generator=policy_generator(ppo_cfg, spec, policy, tokenizer),
             rows=rows,
         )
 

@@ -230,27 +230,20 @@ def last_response_index(response_mask: torch.Tensor) -> torch.Tensor:
 
 
 def shaped_rewards(
-    rm_score: torch.Tensor,
-    logp_old: torch.Tensor,
-    logp_ref: torch.Tensor,
-    response_mask: torch.Tensor,
-    beta: float,
-    estimator: KLEstimator = "k1",
+    rm_score: torch.Tensor, kl_ref: torch.Tensor, response_mask: torch.Tensor, beta: float
 ) -> torch.Tensor:
     """Per-token reward ``r_t = -beta * KL_t`` on response tokens, plus ``rm_score`` on the last one.
 
     Args:
         rm_score: (B,) sequence score (reward model or programmatic reward).
-        logp_old: (B, L) log-probs of the sampled tokens under the sampling policy.
-        logp_ref: (B, L) log-probs of the same tokens under the frozen reference.
+        kl_ref: (B, L) per-token KL estimate to the reference (:func:`kl_estimate` of the sampled tokens).
         response_mask: (B, L) 1 on response tokens up to and including the first EOS.
         beta: KL coefficient.
-        estimator: per-token KL estimator, see :func:`kl_estimate`.
     Returns:
         (B, L) rewards, zero outside the mask. A row with no response token gets no score.
     """
     keep = response_mask.bool()
-    kl_penalty = torch.where(keep, -beta * kl_estimate(logp_old, logp_ref, estimator), 0.0)  # (B, L)
+    kl_penalty = torch.where(keep, -beta * kl_ref, 0.0)  # (B, L)
     last = last_response_index(response_mask)  # (B,)
     has_response = keep.any(dim=1)  # (B,)
     score = torch.where(has_response, rm_score.float(), 0.0)  # (B,)

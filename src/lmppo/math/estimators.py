@@ -65,6 +65,8 @@ class EstimatorSpec:
     lam_policy: float | None  # the advantages' GAE lambda; None: VAPO's length-adaptive one per row
     lam_critic: float  # the returns' lambda (VC-PPO decouples it)
     lam_alpha: float  # the length-adaptive lambda's alpha
+    gamma: float  # ppo.gamma: the discount over response tokens
+    kl_estimator: str  # kl.estimator: the per-token estimate of KL(sampler || reference) (k1, k2, k3)
 
     @property
     def groups(self) -> bool:

@@ -16,7 +16,7 @@ from torch import nn
 from lmppo.errors import LmppoError
 from lmppo.inputs.config import Config, KLConfig, PPOConfig, RewardComponent, RewardConfig, RewardSource
 from lmppo.inputs.data import Prompt, PromptStream
-from lmppo.inputs.resolve import EngineSpec, RoleSpec, RunSpec
+from lmppo.inputs.resolve import RoleSpec, RunSpec
 from lmppo.math import core
 from lmppo.modeling.compile import compile_layers
 from lmppo.modeling.distributed import CommCounter, data_parallel, shard_models
@@ -58,10 +58,11 @@ from lmppo.rewards.scoring import (
 from lmppo.sampling.engines import Generator
 from lmppo.sampling.environments import load_environment
 from lmppo.sampling.episodes import EpisodeGenerator
-from lmppo.sampling.hf_engine import HFGenerator, SnapshotGenerator
+from lmppo.sampling.hf_engine import hf_generator
 from lmppo.sampling.passes import PolicyAndValue
+from lmppo.sampling.responses import ResponseGenerator
+from lmppo.training.base import Trainer, TrainerParts
 from lmppo.training.best_of_n import BestOfNTrainer
-from lmppo.training.steps import Stepper, TrainerParts
 from lmppo.training.trainer import PPOTrainer
 
 
@@ -255,8 +256,8 @@ def load_models(cfg: Config, spec: RunSpec) -> PPOModels:
 
 
 def generator_options(cfg: Config) -> dict:
-    """:class:`~lmppo.sampling.hf_engine.HFGenerator`'s keywords from the config: how training samples, and so
-    how every evaluation of the policy samples too."""
+    """:func:`~lmppo.sampling.hf_engine.hf_generator`'s keywords from the config: how training samples, and
+    so how every evaluation of the policy samples too."""
     r = cfg.rollout
     return {
         "max_new_tokens": r.max_new_tokens,
@@ -278,54 +279,65 @@ def build_generator(cfg: Config, spec: RunSpec, models: PPOModels) -> Generator:
     ``rollout.environment`` it samples each turn of an episode."""
     engine = spec.engine
     if engine.kind == "vllm":
-        vllm = vllm_engine(cfg, engine, models.policy, models.tokenizer, dtype=spec.compute_dtype)
-        return with_environment(cfg, engine, vllm)
+        return configured_vllm(cfg, spec, models.policy, models.tokenizer, dtype=spec.compute_dtype)
     if engine.asynchronous:  # a plain copy of the starting policy (before any sharding)
         snapshot = without_adapters(copy.deepcopy(unwrap_model(models.policy)))
-        generator = SnapshotGenerator(snapshot, models.tokenizer, seed=cfg.run.seed, **generator_options(cfg))
-        return with_environment(cfg, engine, generator)
-    generator = HFGenerator(
+        generator = hf_generator(
+            snapshot, models.tokenizer, seed=cfg.run.seed, owns_weights=True, **generator_options(cfg)
+        )
+        return with_environment(cfg, spec, generator)
+    generator = hf_generator(
         models.policy,
         models.tokenizer,
         value_model=models.value if engine.values_from_decode else None,
         bootstrap_values=engine.bootstrap_values,
         **generator_options(cfg),
     )
-    return with_environment(cfg, engine, generator)
+    return with_environment(cfg, spec, generator)
 
 
-def with_environment(cfg: Config, engine: EngineSpec, generator: HFGenerator) -> Generator:
-    """``generator`` playing ``rollout.environment``'s episodes, when the run has one (training, its
+def policy_generator(cfg: Config, spec: RunSpec, policy: nn.Module, tokenizer) -> Generator:
+    """How training samples, on the decode loop over ``policy``: the pre-flight's and an evaluation's
+    generator when the run's own engine is not at hand."""
+    return with_environment(cfg, spec, hf_generator(policy, tokenizer, **generator_options(cfg)))
+
+
+def with_environment(cfg: Config, spec: RunSpec, generator: ResponseGenerator) -> Generator:
+    """``generator``'s engine playing ``rollout.environment``'s episodes, when the run has one (training, its
     pre-flight and both evaluations sample alike)."""
-    if engine.environment is None:
+    if spec.engine.environment is None:
         return generator
     return EpisodeGenerator(
-        generator,
-        load_environment(engine.environment),
-        name=engine.environment,
+        generator.engine,
+        generator.renderer,
+        load_environment(spec.engine.environment),
+        name=spec.engine.environment,
         max_turns=cfg.rollout.max_turns,
-        max_total_tokens=engine.max_episode_tokens,
+        max_total_tokens=spec.engine.max_episode_tokens,
         seed=cfg.run.seed,
     )
 
 
-def vllm_engine(cfg: Config, engine: EngineSpec, policy: nn.Module, tokenizer, *, dtype=None):
+def configured_vllm(cfg: Config, spec: RunSpec, policy: nn.Module, tokenizer, *, dtype=None) -> Generator:
     """A vLLM engine loaded from ``models.policy.path``, sampling as the config says, synced and put to
-    sleep as ``engine`` says, in ``dtype`` (the run's compute dtype; None: the policy's)."""
-    from lmppo.sampling.vllm_engine import VLLMGenerator  # vLLM lives in its own environment
+    sleep as ``spec.engine`` says, in ``dtype`` (the run's compute dtype; None: the policy's)."""
+    from lmppo.sampling.vllm_engine import vllm_generator  # vLLM lives in its own environment
 
-    return VLLMGenerator(
+    options = generator_options(cfg)
+    del options["batch_tokens"]  # the decode loop's: vLLM batches by its own KV cache
+    generator = vllm_generator(
         policy,
         tokenizer,
         cfg.models.policy.path,
         seed=cfg.run.seed,
         kv_cache_gb=cfg.rollout.vllm_kv_cache_gb,
-        weight_sync=engine.weight_sync,
+        weight_sync=spec.engine.weight_sync,
         dtype=dtype,
-        sleep=engine.sleeps,
-        max_response_tokens=engine.max_episode_tokens,
-        **generator_options(cfg),
+        sleep=spec.engine.sleeps,
+        max_response_tokens=spec.engine.max_episode_tokens,
+        **options,
     )
+    return with_environment(cfg, spec, generator)
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -392,7 +404,7 @@ def build_trainer(
     ptx_batches: Callable[[], dict[str, torch.Tensor]] | None = None,
     group: torch.distributed.ProcessGroup | None = None,
     rank: int = 0,
-) -> Stepper:
+) -> Trainer:
     """The trainer and everything it steps with: the update's module (sharded or wrapped first), the
     rollout engine (``generator`` replaces the configured one), this rank's prompt stream (with each prompt's
     whole row in ``prompt_rows``, for an environment), the optimizer
@@ -436,7 +448,7 @@ def build_trainer(
         comm_counter,
         ptx_batches,
     )
-    if cfg.run.compile:  # after the snapshot engine copied the policy: its decode loop stays eager
+    if spec.compile:  # after the snapshot engine copied the policy: its decode loop stays eager
         compile_layers(models.policy, models.value, models.reference)
     trainer_class = BestOfNTrainer if spec.algorithm == "best_of_n" else PPOTrainer  # its step differs
     return trainer_class(cfg, spec, parts, group=group, rank=rank)

@@ -30,9 +30,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-import lmppo
 from lmppo.errors import LmppoError
 from lmppo.inputs.config import schema_default
+from lmppo.version import __version__
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -186,7 +186,7 @@ def restore_rng_state(json_part: dict, tensors: dict[str, torch.Tensor]) -> None
 
 
 def package_versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {"python": platform.python_version(), "lmppo": lmppo.__version__}
+    versions: dict[str, str | None] = {"python": platform.python_version(), "lmppo": __version__}
     for package in ("torch", "transformers", "peft"):
         try:
             versions[package] = importlib.metadata.version(package)

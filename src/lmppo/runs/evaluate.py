@@ -41,9 +41,9 @@ from lmppo.modeling.loading import load_causal_lm, load_tokenizer
 from lmppo.modeling.models import autocast, eval_mode
 from lmppo.progress import advance
 from lmppo.rewards.scoring import RewardFunction
-from lmppo.runs.build import generator_options, load_reward, vllm_engine, with_environment
+from lmppo.runs.build import configured_vllm, generator_options, load_reward, policy_generator
 from lmppo.sampling.engines import Generator
-from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.hf_engine import hf_generator
 from lmppo.sampling.passes import sequence_logprobs
 from lmppo.sampling.rollout import Rollout
 from lmppo.training.sft import response_nll_sum
@@ -112,7 +112,8 @@ def evaluate_policy(
 ) -> EvalResult:
     """Sample one response per held-out prompt and measure it (see the module docstring).
 
-    ``generator_options``: :class:`HFGenerator`'s keywords, as :func:`lmppo.runs.build.generator_options`
+    ``generator_options``: :func:`~lmppo.sampling.hf_engine.hf_generator`'s keywords, as
+    :func:`lmppo.runs.build.generator_options`
     gives them; ``reference``: the frozen reference for ``eval/kl/ref``; ``gold_fn``: a per-row gold
     judge; ``demonstrations``: held-out {"prompt", "response"} rows for ``eval/demo_ppl``; ``slices``:
     each prompt's slice name (e.g. its task type) for per-slice means. With a process
@@ -126,7 +127,7 @@ def evaluate_policy(
     """
     if not prompts and group is None:
         raise LmppoError("evaluation: no held-out prompts; check data.eval_prompts")
-    generator = generator or HFGenerator(policy, tokenizer, **generator_options)
+    generator = generator or hf_generator(policy, tokenizer, **generator_options)
     sample_ids = list(range(len(prompts))) if sample_ids is None else list(sample_ids)
     measured = []
     with _seeded_rng(seed, policy), failing_together(group):  # a judge failing on one rank stops all
@@ -165,7 +166,7 @@ def run_evaluator(
     every_prompt = load_prompts(cfg.data.eval_prompts, key=cfg.data.prompt_key)
     prompts = every_prompt[rank::world_size]
     sample_ids = list(range(len(every_prompt)))[rank::world_size]
-    rows = load_prompt_rows(cfg.data.eval_prompts)[rank::world_size] if cfg.rollout.environment else None
+    rows = load_prompt_rows(cfg.data.eval_prompts)[rank::world_size]
     gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
     demonstrations = None
     if cfg.data.eval_demonstrations:
@@ -233,11 +234,12 @@ def _measure(
     ]
     for i, row in enumerate(rows if components else ()):
         row["components"] = {name: float(values[i]) for name, values in components.items()}
-    for i, transcript in enumerate(rollout.transcripts or ()):  # an episode: its turns and context
+    episode = rollout.episode
+    for i, transcript in enumerate(episode.transcripts if episode else ()):  # its turns and context
         rows[i]["episode"] = [{"text": text, "action": action} for text, action in transcript]
-        rows[i]["turn_reward"] = float(rollout.turn_rewards[i].sum())
-        for name in ("turns", "tool_calls", "tool_failures"):
-            rows[i][name] = int(getattr(rollout, name)[i])
+        rows[i]["turn_reward"] = float(episode.turn_rewards[i].sum())
+        for name, counts in episode.counts.items():
+            rows[i][name] = int(counts[i])
     if reference is not None:
         for row, kl in zip(rows, _sequence_kl(policy, reference, rollout, forward_batching).tolist()):
             row["kl_ref"] = kl
@@ -368,8 +370,8 @@ def run_engine(cfg: Config, spec: RunSpec, policy, tokenizer) -> Generator | Non
     both policies sample as training did; None: the transformers decode loop on each policy."""
     if spec.engine.kind != "vllm":
         return None
-    engine = replace(spec.engine, weight_sync="merged", sleeps=False)  # final/ is a whole model
-    return vllm_engine(cfg, engine, policy, tokenizer, dtype=spec.compute_dtype)
+    spec = replace(spec, engine=replace(spec.engine, weight_sync="merged", sleeps=False))  # final/ is whole
+    return configured_vllm(cfg, spec, policy, tokenizer, dtype=spec.compute_dtype)
 
 
 def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) -> dict:
@@ -397,6 +399,7 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
         load_tokenizer(cfg.models.policy),
         load_prompts(prompts_path, key=cfg.data.prompt_key),
     )
+    rows = load_prompt_rows(prompts_path)  # what an environment resets on
     reward_fn = load_reward(cfg.reward, spec.rewards, spec.device).reward
     gold_fn = load_function(cfg.data.eval_judge, "data.eval_judge") if cfg.data.eval_judge else None
     start, final = (load_causal_lm(source).to(spec.device) for source in (start_source, final_source))
@@ -407,9 +410,7 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
         for version, (name, policy) in enumerate((("start", start), ("PPO", final))):
             if engine is not None:
                 engine.sync_weights(policy, version)
-            generator = with_environment(
-                cfg, spec.engine, engine or HFGenerator(policy, tokenizer, **generator_options(cfg))
-            )
+            generator = engine or policy_generator(cfg, spec, policy, tokenizer)
             results[name] = evaluate_policy(
                 policy,
                 tokenizer,
@@ -421,7 +422,7 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
                 batch_size=cfg.run.eval_batch_size,
                 seed=cfg.run.seed,
                 generator=generator,
-                rows=load_prompt_rows(prompts_path) if spec.engine.environment else None,
+                rows=rows,
             )
     if engine is not None:
         engine.close()

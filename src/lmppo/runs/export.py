@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 
 from lmppo.errors import LmppoError
 from lmppo.inputs.config import Config
-from lmppo.inputs.resolve import RunSpec, policy_role, resolve_estimator
+from lmppo.inputs.resolve import RunSpec, policy_role
 from lmppo.modeling.distributed import full_tensor, whole_group
 from lmppo.modeling.loading import load_reward_model
 from lmppo.modeling.models import PPOModels, ValueModel, make_value_model, save_critic
@@ -52,7 +52,7 @@ def export_best(run_dir: Path, best: dict, cfg: Config, spec: RunSpec, tokenizer
     saved = load_checkpoint(best_checkpoint(run_dir))
     policy = plain_policy(spec, checkpoint_group(saved, "policy"), f"checkpoint {saved.path}")
     held_out = f"the best {best['metric']} on the held-out prompts ({best['score']:.4g})"
-    out_dir = export_final(run_dir / "best", policy, tokenizer, cfg, f"step {best['step']}: {held_out}")
+    out_dir = export_final(run_dir / "best", policy, tokenizer, cfg, spec, f"step {best['step']}: {held_out}")
     if spec.value is not None:
         export_critic(out_dir / "value", spec, saved)
     return out_dir
@@ -109,7 +109,9 @@ def dequantized(policy: PeftModel, cfg: Config) -> PeftModel:
     return plain
 
 
-def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config, which: str = "") -> Path:
+def export_final(
+    out_dir: Path, policy: nn.Module, tokenizer, cfg: Config, spec: RunSpec, which: str = ""
+) -> Path:
     """The trained policy as a plain transformers directory, with our decoding settings and a model card;
     ``which`` says which of the run's policies it is when not the last (``best/``)."""
     if isinstance(policy, PeftModel):
@@ -136,24 +138,25 @@ def export_final(out_dir: Path, policy: nn.Module, tokenizer, cfg: Config, which
         if which
         else ""
     )
-    lams = resolve_estimator(cfg)
+    estimator = spec.estimator
     critic = (
         f"- Critic: in `value/` ({cfg.models.value.mode}); a run on this policy starts its critic from it "
         "(or set models.value.path)\n"
-        if lams.critic
+        if estimator.critic
         else ""
     )
-    lam = lams.lam_critic
-    if lams.lam_policy != lams.lam_critic:  # decoupled (VC-PPO), or VAPO's length-adaptive one
-        lam = f"{'length-adaptive' if lams.lam_policy is None else lams.lam_policy} / {lam} (policy / critic)"
+    lam = estimator.lam_critic
+    if estimator.lam_policy != estimator.lam_critic:  # decoupled (VC-PPO), or VAPO's length-adaptive one
+        policy_lam = "length-adaptive" if estimator.lam_policy is None else estimator.lam_policy
+        lam = f"{policy_lam} / {lam} (policy / critic)"
     (out_dir / "README.md").write_text(
         f"# PPO policy trained with lmppo\n\n"
         f"- Started from: `{cfg.models.policy.path}` (reference: the starting weights)\n"
         f"{which}"
         f"- Reward: {reward}\n"
-        f"- KL: {cfg.kl.estimator} estimator per token in the reward, {kl}\n"
+        f"- KL: {estimator.kl_estimator} estimator per token in the reward, {kl}\n"
         f"- PPO: {cfg.run.steps} steps of {cfg.rollout.batch_size} prompts, {cfg.ppo.ppo_epochs} epochs, "
-        f"clip {cfg.ppo.clip_eps}, gamma {cfg.ppo.gamma}, lambda {lam}, lr {cfg.ppo.lr}\n"
+        f"clip {cfg.ppo.clip_eps}, gamma {estimator.gamma}, lambda {lam}, lr {cfg.ppo.lr}\n"
         f"- Decoding it was trained with (in generation_config.json): temperature {cfg.rollout.temperature}, "
         f"top_k {cfg.rollout.top_k}, top_p {cfg.rollout.top_p}, max_new_tokens {cfg.rollout.max_new_tokens}\n"
         f"{critic}\n"

@@ -30,7 +30,7 @@ from lmppo.modeling.lora import with_lora
 from lmppo.modeling.models import make_value_model
 from lmppo.modeling.quantize import QUANTIZED_BYTES, quantizable_linears
 from lmppo.progress import size
-from lmppo.sampling.hf_engine import prompt_room
+from lmppo.sampling.prompts import prompt_room
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = GIB // 2  # the CUDA context and kernels: outside torch's allocator

@@ -32,10 +32,9 @@ from lmppo.inputs.data import Prompt, load_prompt_rows, load_prompts, prompt_sli
 from lmppo.inputs.resolve import resolve
 from lmppo.modeling.loading import load_tokenizer
 from lmppo.modeling.models import autocast
-from lmppo.runs.build import generator_options, load_policy, load_reward, with_environment
+from lmppo.runs.build import generator_options, load_policy, load_reward, policy_generator
 from lmppo.runs.diagnose import Finding, reward_bias
 from lmppo.runs.evaluate import evaluate_policy
-from lmppo.sampling.hf_engine import HFGenerator
 
 PREFLIGHT_FILE = "preflight.json"
 N_EXAMPLES = 3  # highest and lowest scored samples kept for reading
@@ -153,7 +152,7 @@ def run_preflight(
     training samples them (``generator``: the run's engine when it has its own weights or plays episodes,
     on the prompts' whole ``rows``), score them with
     ``reward_fn``, and summarise (global under a process group: every rank returns the same)."""
-    n = cfg.diagnosis.preflight_batches * cfg.rollout.batch_size
+    n = min(cfg.diagnosis.preflight_batches * cfg.rollout.batch_size, len(prompts))
     chosen = preflight_prompts(prompts, n, cfg.run.seed, rank, world_size)
     result = evaluate_policy(
         policy,
@@ -172,7 +171,7 @@ def run_preflight(
     return summarise(result.rows)
 
 
-def check_reward(cfg) -> tuple[Preflight, Finding | None]:
+def check_rm(cfg) -> tuple[Preflight, Finding | None]:
     """``lmppo check-rm CONFIG``: the run's pre-flight without training (its starting policy, reward and
     prompts, on one process), with the ``reward_bias`` rule's finding."""
     spec = resolve(cfg)
@@ -184,8 +183,8 @@ def check_reward(cfg) -> tuple[Preflight, Finding | None]:
     reward = load_reward(cfg.reward, spec.rewards, spec.device).reward
     tokenizer = load_tokenizer(spec.policy.source)
     slices = prompt_slices(cfg.data.prompts, cfg.data.split, cfg.data.slice_key)
-    generator = with_environment(cfg, spec.engine, HFGenerator(policy, tokenizer, **generator_options(cfg)))
-    rows = load_prompt_rows(cfg.data.prompts, cfg.data.split) if spec.engine.environment else None
+    generator = policy_generator(cfg, spec, policy, tokenizer)
+    rows = load_prompt_rows(cfg.data.prompts, cfg.data.split)
     with autocast(spec.precision, spec.device):
         preflight = run_preflight(
             cfg,

@@ -155,7 +155,7 @@ def _train(
             ) as progress,
         ):
             if checkpoint is None:  # an advisory once per run directory, not at every resume
-                progress.note(numerics_line(spec, cfg.run.compile))
+                progress.note(numerics_line(spec))
             try:
                 with phase("checking the memory plan"):
                     plan = check_plan(cfg, spec, force)  # no OOM an hour in
@@ -195,14 +195,14 @@ def finished_note(cfg: Config) -> str:
     )
 
 
-def numerics_line(spec: RunSpec, compiled: bool = False) -> str:
+def numerics_line(spec: RunSpec) -> str:
     """The run's numerics as decided, and why (``run.precision=auto`` depends on the machine)."""
     matmuls = (
         "" if spec.fp32_matmul_precision == "highest" else f", fp32 matmuls {spec.fp32_matmul_precision}"
     )
     return f"precision {spec.precision}{matmuls} on {spec.device.type}: {spec.precision_reason}" + (
         f"; decoder layers compiled for the update and the stored passes (cache: {cache_dir()})"
-        if compiled
+        if spec.compile
         else ""
     )
 
@@ -247,10 +247,7 @@ class PPORun:
         self.on_step: Callable[[int, dict[str, float]], None] | None = None  # the Python API's callback
         located_prompts = load_located_prompts(cfg.data.prompts, cfg.data.split, cfg.data.prompt_key)
         self.prompts = [prompt for _, prompt in located_prompts]
-        # each prompt's whole row: what an environment resets on (rollout.environment)
-        self.prompt_rows = (
-            load_prompt_rows(cfg.data.prompts, cfg.data.split) if spec.engine.environment else None
-        )
+        self.prompt_rows = load_prompt_rows(cfg.data.prompts, cfg.data.split)  # what an environment resets on
         check_batches(cfg, len(self.prompts))  # before the minutes of loading models
         seed_everything(cfg.run.seed)  # every rank builds the same models (fresh heads, LoRA adapters)
         self.models = models = load_models(cfg, spec)
@@ -302,7 +299,7 @@ class PPORun:
         not at some step."""
         with phase(f"rendering the {len(located_prompts)} prompts"):
             for i, (where, prompt) in enumerate(located_prompts, start=1):
-                self.trainer.generator.query_ids(prompt, where)
+                self.trainer.generator.renderer.query_ids(prompt, where)
                 if i % 100 == 0:
                     advance("prompts", i, len(located_prompts))
 
@@ -478,6 +475,10 @@ class PPORun:
         fixes = remedy_list(self.cfg, self.plan)
         return OutOfMemory(f"{err}. " + (f"The memory plan's next remedies: {fixes}" if fixes else ""))
 
+    def write_best(self) -> Path:
+        """``best/``: the policy of the step with the best held-out score, from its checkpoint."""
+        return export_best(self.run_dir, self.best, self.cfg, self.spec, self.models.tokenizer)
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record a step and show what the diagnosis rules newly find in the history so far."""
         self.logger.log(step, metrics)
@@ -496,7 +497,7 @@ class PPORun:
         violation = self.guards.check(step, metrics)
         if violation is not None:  # metrics are global, so every rank finds the same violation
             aborted = self.save("aborted")
-            kept = self.export_best() if self.best and self.dist_info.is_main else None
+            kept = self.write_best() if self.best and self.dist_info.is_main else None
             barrier(group)  # no rank exits (torchrun then stops the rest) while rank 0 writes
             raise guard_abort(violation, aborted, kept, self.live.findings(), self.cfg)
         if any_rank(self.stop.requested is not None, group):  # a signal may reach one rank first
@@ -524,21 +525,17 @@ class PPORun:
         policy = whole_policy(cfg, self.spec, models, is_main) if self.spec.sharded else models.policy
         if is_main:
             with phase("exporting the final policy"):
-                export_final(self.run_dir / "final", policy, models.tokenizer, cfg)
+                export_final(self.run_dir / "final", policy, models.tokenizer, cfg, self.spec)
             if self.spec.value is not None:
                 with phase("exporting the critic"):
                     export_critic(self.run_dir / "final" / "value", self.spec, load_checkpoint(last))
             if self.best and self.best["step"] != self.trainer.step_count:  # the held-out best is earlier
-                self.export_best()
+                self.write_best()
             self.progress.note(finish_note(self.run_dir, self.best, self.trainer.step_count))
         barrier(
             self.dist_info.group
         )  # no rank leaves (and tears the group down) before the final model is written
         return self.run_dir
-
-    def export_best(self) -> Path:
-        """``best/``: the policy of the step with the best held-out score, from its checkpoint."""
-        return export_best(self.run_dir, self.best, self.cfg, self.spec, self.models.tokenizer)
 
 
 def held_out_line(step: int, metrics: dict[str, float], reward_label: str) -> str:

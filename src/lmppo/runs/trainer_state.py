@@ -38,13 +38,13 @@ from lmppo.runs.checkpoint import (
     unflatten_state,
     write_tensor_groups,
 )
-from lmppo.sampling.rollout import Rollout, concat_rollouts, trim_padding
-from lmppo.training.steps import Stepper
+from lmppo.sampling.rollout import EpisodePart, Rollout, concat_rollouts, trim_padding
+from lmppo.training.base import Trainer
 
 TensorGroups = dict[str, dict[str, torch.Tensor]]
 
 
-def trained_modules(trainer: Stepper) -> dict[str, tuple[nn.Module, set[int]]]:
+def trained_modules(trainer: Trainer) -> dict[str, tuple[nn.Module, set[int]]]:
     """name -> (module, ids of parameters saved under another name: the shared trunk); no critic, no
     ``value`` group."""
     modules = {"policy": (trainer.policy, set())}
@@ -53,7 +53,7 @@ def trained_modules(trainer: Stepper) -> dict[str, tuple[nn.Module, set[int]]]:
     return modules
 
 
-def state_payload(trainer: Stepper) -> tuple[TensorGroups, dict]:
+def state_payload(trainer: Trainer) -> tuple[TensorGroups, dict]:
     """``(tensors, state)`` for :func:`lmppo.runs.checkpoint.save_checkpoint`.
 
     Under FSDP2 every sharded weight and optimizer state is gathered whole (one all-gather per tensor,
@@ -85,17 +85,18 @@ def state_payload(trainer: Stepper) -> tuple[TensorGroups, dict]:
         "policy_version": trainer.policy_version,
         "episodes": trainer.episodes,
         "tokens": trainer.tokens,
-        "prompt_stream": trainer.prompt_stream.state_dict(),
+        "prompt_stream": trainer.sampler.prompt_stream.state_dict(),
         "kl_controller": trainer.kl_controller.state_dict(),
-        "score_transform": trainer.reward.state_dict(),
+        "score_transform": trainer.scorer.reward.state_dict(),
         "scheduler": trainer.scheduler.state_dict(),
         "optimizer": optimizer_skeleton,
         "rng": [j for j, _ in per_rank],  # one entry per rank
         "sharded_ranks": trainer.world_size if trainer.spec.sharded_checkpoints else None,
         "token_budgets": trainer.budgets.state_dict(),  # as out-of-memory errors have halved them
     }
-    if trainer.ahead is not None:  # rollout.asynchronous: the batch in flight, sampled by older weights
-        in_flight = trainer.ahead.finished()
+    ahead = trainer.sampler.ahead
+    if ahead is not None:  # rollout.asynchronous: the batch in flight, sampled by older weights
+        in_flight = ahead.finished()
         pending = gather_objects(None if in_flight is None else in_flight.to("cpu"), trainer.group)
         if all(part is not None for part in pending):
             tensors["pending_rollout"], state["pending_rollout"] = _rollout_record(concat_rollouts(pending))
@@ -103,21 +104,37 @@ def state_payload(trainer: Stepper) -> tuple[TensorGroups, dict]:
 
 
 def _rollout_record(rollout: Rollout) -> tuple[dict[str, torch.Tensor], dict]:
-    """A freshly sampled rollout as tensors and JSON."""
+    """A freshly sampled rollout as tensors and JSON (an episode part's under ``episode.``; its counts,
+    small and in the environment's order, in the JSON)."""
     fields = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
+    if (episode := fields.pop("episode")) is not None:
+        parts = {f.name: getattr(episode, f.name) for f in dataclasses.fields(episode)}
+        parts["counts"] = {name: count.tolist() for name, count in episode.counts.items()}
+        fields |= {f"episode.{name}": value for name, value in parts.items()}
     tensors = {name: v.cpu() for name, v in fields.items() if isinstance(v, torch.Tensor)}
     return tensors, {name: v for name, v in fields.items() if v is not None and name not in tensors}
 
 
-def _restore_pending_rollout(trainer: Stepper, tensors: TensorGroups, state: dict) -> None:
+def _saved_rollout(tensors: dict[str, torch.Tensor], state: dict) -> Rollout:
+    """The rollout :func:`_rollout_record` saved."""
+    fields = {**tensors, **state}
+    episode = {k.removeprefix("episode."): fields.pop(k) for k in list(fields) if k.startswith("episode.")}
+    if episode:
+        episode["counts"] = {name: torch.tensor(count) for name, count in episode["counts"].items()}
+        fields["episode"] = EpisodePart(**episode)
+    return Rollout(**fields)
+
+
+def _restore_pending_rollout(trainer: Trainer, tensors: TensorGroups, state: dict) -> None:
     """The batch that was in flight at the checkpoint, every rank taking its own rows (the world size may
     have changed: rows are in the prompt stream's global order), for the next step to train on."""
-    if trainer.ahead is None or state.get("pending_rollout") is None:
+    ahead = trainer.sampler.ahead
+    if ahead is None or state.get("pending_rollout") is None:
         return  # synchronous now, or nothing in flight: the next step samples afresh
-    saved = Rollout(**{k: v for k, v in tensors["pending_rollout"].items()}, **state["pending_rollout"])
+    saved = _saved_rollout(dict(tensors["pending_rollout"].items()), state["pending_rollout"])
     per_rank = len(saved) // trainer.world_size
     mine = saved.select(slice(trainer.rank * per_rank, (trainer.rank + 1) * per_rank))
-    trainer.ahead.put(trim_padding(mine).to(trainer.device))
+    ahead.put(trim_padding(mine).to(trainer.device))
 
 
 def _whole(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
@@ -131,7 +148,7 @@ def _whole(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tenso
     return whole
 
 
-def load_state_payload(trainer: Stepper, tensors: TensorGroups, state: dict) -> None:
+def load_state_payload(trainer: Trainer, tensors: TensorGroups, state: dict) -> None:
     """Restore what :func:`state_payload` saved (from any world size and either strategy)."""
     saved, place = _saved_groups(trainer, tensors, state)
     for name, (module, skip) in trained_modules(trainer).items():
@@ -148,8 +165,8 @@ def load_state_payload(trainer: Stepper, tensors: TensorGroups, state: dict) -> 
     trainer.optimizer.load_state_dict(_optimizer_state_like_params(trainer, optimizer_state, place))
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.kl_controller.load_state_dict(state["kl_controller"])
-    trainer.reward.load_state_dict(state["score_transform"])
-    trainer.prompt_stream.load_state_dict(state["prompt_stream"])
+    trainer.scorer.reward.load_state_dict(state["score_transform"])
+    trainer.sampler.prompt_stream.load_state_dict(state["prompt_stream"])
     _restore_rank_rng(trainer, tensors["rng"], state["rng"], int(state["step"]))
     trainer.step_count, trainer.policy_version = int(state["step"]), int(state["policy_version"])
     trainer.sync_generator()  # an engine with its own weights gets the restored policy
@@ -159,7 +176,7 @@ def load_state_payload(trainer: Stepper, tensors: TensorGroups, state: dict) -> 
         trainer.budgets.load_state_dict(state["token_budgets"])
 
 
-def _saved_groups(trainer: Stepper, tensors: TensorGroups, state: dict):
+def _saved_groups(trainer: Trainer, tensors: TensorGroups, state: dict):
     """The checkpoint's trained groups (``policy``, ``value``, ``optimizer``) and how a saved tensor
     takes a parameter's layout: whole tensors are cut into this rank's shard; this rank's own saved
     shards (a sharded checkpoint, same world size) are used as they are; every rank's saved shards
@@ -173,7 +190,7 @@ def _saved_groups(trainer: Stepper, tensors: TensorGroups, state: dict):
     return {name: whole_group(tensors, name, saved_ranks) for name in names}, shard_like
 
 
-def _optimizer_state_like_params(trainer: Stepper, optimizer_state: dict, place) -> dict:
+def _optimizer_state_like_params(trainer: Trainer, optimizer_state: dict, place) -> dict:
     """A saved optimizer state with each parameter's moments laid out like that parameter by
     ``place(saved, param)``. Entries are indexed in param-group order."""
     params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
@@ -184,7 +201,7 @@ def _optimizer_state_like_params(trainer: Stepper, optimizer_state: dict, place)
     return optimizer_state
 
 
-def _restore_rank_rng(trainer: Stepper, tensors: dict, per_rank_json: list[dict], step: int) -> None:
+def _restore_rank_rng(trainer: Trainer, tensors: dict, per_rank_json: list[dict], step: int) -> None:
     """This rank's generators from the checkpoint; re-seeded when it was written by another world size."""
     saved_world = len(per_rank_json)
     if saved_world != trainer.world_size:  # check_compatible refused this unless --allow-config-change
@@ -203,7 +220,7 @@ def _restore_rank_rng(trainer: Stepper, tensors: dict, per_rank_json: list[dict]
     restore_rng_state(per_rank_json[trainer.rank], rng)
 
 
-def apply_changed_settings(trainer: Stepper, cfg: Config, changed: set[str]) -> None:
+def apply_changed_settings(trainer: Trainer, cfg: Config, changed: set[str]) -> None:
     """After a resume with ``--allow-config-change``: the changed settings the checkpoint's state would
     otherwise override (``changed``: dotted config keys) take effect from the next step."""
     ppo = cfg.ppo
@@ -224,7 +241,7 @@ def apply_changed_settings(trainer: Stepper, cfg: Config, changed: set[str]) -> 
 
 
 def save_trainer_checkpoint(
-    trainer: Stepper,
+    trainer: Trainer,
     run_dir: Path,
     state_extra: dict,
     *,

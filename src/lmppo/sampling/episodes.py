@@ -28,12 +28,13 @@ from torch import nn
 
 from lmppo.errors import LmppoError, user_code_error
 from lmppo.inputs.data import ROLES, Prompt, as_messages, encode_context
-from lmppo.sampling.engines import sample_seed
+from lmppo.sampling.engines import DecodeBudget, Engine, sample_seed
 from lmppo.sampling.environments import Environment, Step
-from lmppo.sampling.hf_engine import HFGenerator
-from lmppo.sampling.rollout import Rollout
+from lmppo.sampling.prompts import PromptRenderer
+from lmppo.sampling.rollout import EpisodePart, Rollout, response_mask_from_ids
 
 MESSAGE_ROLES = (*ROLES, "tool")
+COUNTS = ("turns", "tool_calls", "tool_failures")  # what each episode reports, in the metrics' order
 
 
 @dataclass
@@ -48,9 +49,9 @@ class Episode:
     logps: list[float] = field(default_factory=list)  # 0 on context tokens (never read)
     context: list[bool] = field(default_factory=list)  # True: inserted by the template or the environment
     rewards: list[float] = field(default_factory=list)  # each turn's reward on its last action
-    turns: int = 0
-    tool_calls: int = 0
-    tool_failures: int = 0
+    counts: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(COUNTS, 0)
+    )  # logged as episode/<name>
     last_turn: str = ""  # the policy's last message: what the run's reward scores
     done: bool = False
     terminated: bool = False
@@ -66,13 +67,14 @@ class Episode:
 
 
 class EpisodeGenerator:
-    """A rollout engine (:class:`lmppo.sampling.engines.Generator`) that plays episodes: ``engine`` (the
-    decode loop, its snapshot under ``rollout.asynchronous``, or vLLM) samples each turn
-    (:meth:`HFGenerator.sample_turns`), one ``make_environment()`` per episode answers it."""
+    """A :class:`lmppo.sampling.engines.Generator` that plays episodes on any engine: ``engine`` (the decode
+    loop, its snapshot under ``rollout.asynchronous``, or vLLM) samples each turn, one ``make_environment()``
+    per episode answers it, ``renderer`` renders the prompts."""
 
     def __init__(
         self,
-        engine: HFGenerator,
+        engine: Engine,
+        renderer: PromptRenderer,
         make_environment: Callable[[], Environment],
         *,
         name: str,
@@ -80,17 +82,18 @@ class EpisodeGenerator:
         max_total_tokens: int,
         seed: int,
     ) -> None:
-        self.engine, self.make_environment, self.name = engine, make_environment, name
+        self.engine, self.renderer = engine, renderer
+        self.make_environment, self.name = make_environment, name
         self.max_turns, self.max_total_tokens, self.seed = max_turns, max_total_tokens, seed
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = renderer.tokenizer
         self.environment_s = 0.0
+
+    @property
+    def decode_budget(self) -> DecodeBudget | None:
+        return self.engine.decode_budget
 
     def sync_weights(self, policy: nn.Module, policy_version: int) -> None:
         self.engine.sync_weights(policy, policy_version)
-
-    def query_ids(self, prompt: Prompt, where: str) -> list[int]:
-        """The prompt's ids as the engine renders and checks them (:meth:`HFGenerator.query_ids`)."""
-        return self.engine.query_ids(prompt, where)
 
     def close(self, abandon: bool = False) -> None:
         self.engine.close(abandon)
@@ -112,30 +115,31 @@ class EpisodeGenerator:
             if not live:
                 break
             self._play_turn(live, turn)
+        self.engine.sleep()
         rollout = self._rollout(episodes, prompts, policy_version)
         generation_s = time.perf_counter() - started - self.environment_s
-        return Rollout.after(rollout, generation_s=generation_s, environment_s=self.environment_s)
+        return Rollout.after(rollout, generation_s=generation_s)
 
     def _start(self, prompt: Prompt, row: dict[str, Any], sample_id: int) -> Episode:
         environment = self._call("()", self.make_environment)
         self._call("reset", environment.reset, dict(row), sample_seed(self.seed, sample_id))
-        query = self.engine.query_ids(prompt, where=f"prompt of sample {sample_id}")
+        query = self.renderer.query_ids(prompt, where=f"prompt of sample {sample_id}")
         return Episode(environment, query, as_messages(prompt), sample_id)
 
     def _play_turn(self, live: list[Episode], turn: int) -> None:
         """Every live episode's next turn, sampled together, then each environment's answer."""
         room = [self.max_total_tokens - len(episode.tokens) for episode in live]
-        samples = self.engine.sample_turns(
+        samples = self._sample_turns(
             [episode.query + episode.tokens for episode in live],
             [episode.sample_id for episode in live],
             turn,
-            min(self.engine.max_new_tokens, max(room)),
+            min(self.engine.settings.max_new_tokens, max(room)),
         )
         for episode, (tokens, logps), left in zip(live, samples, room, strict=True):
             tokens, logps = tokens[:left], logps[:left]
             episode.add(tokens, logps, context=False)
-            episode.turns += 1
-            stopped = tokens[-1] in self.engine.stop_token_ids
+            episode.counts["turns"] += 1
+            stopped = tokens[-1] in self.engine.settings.stop_token_ids
             episode.last_turn = self.tokenizer.decode(
                 tokens[:-1] if stopped else tokens, skip_special_tokens=True
             )
@@ -144,18 +148,33 @@ class EpisodeGenerator:
                 continue
             self._answer(episode, tokens[-1], more_turns=turn + 1 < self.max_turns)
 
+    def _sample_turns(
+        self, contexts: list[list[int]], sample_ids: list[int], turn: int, max_new_tokens: int
+    ) -> list[tuple[list[int], list[float]]]:
+        """One turn of each live episode, sampled after ``contexts`` (the token ids of each episode so far):
+        each row's tokens up to and including its stop token (all of them when it was cut) and their
+        log-probs at the sampling temperature."""
+        engine = self.engine
+        query_ids, query_mask = (t.to(engine.device) for t in self.renderer.left_padded(contexts))
+        response_ids, logp_old, _ = engine.sample(query_ids, query_mask, sample_ids, max_new_tokens, turn)
+        response_mask, _ = response_mask_from_ids(response_ids, engine.settings.stop_token_ids)
+        lengths = response_mask.sum(dim=1).long().tolist()
+        return [
+            (ids[:n].tolist(), logp[:n].tolist()) for ids, logp, n in zip(response_ids, logp_old, lengths)
+        ]
+
     def _answer(self, episode: Episode, stop_token: int, more_turns: bool) -> None:
         """The environment's step on the episode's last turn: its reward, and the context it inserts."""
         step = self._checked(self._call("step", episode.environment.step, episode.last_turn))
         episode.rewards[-1] += step.reward
-        episode.tool_calls += step.tool_calls
-        episode.tool_failures += step.tool_failures
+        episode.counts["tool_calls"] += step.tool_calls
+        episode.counts["tool_failures"] += step.tool_failures
         if step.done or not more_turns:  # not done after max_turns: truncated
             episode.end(terminated=step.done)
             return
         context = encode_context(
             self.tokenizer,
-            self.engine.chat_template,
+            self.renderer.chat_template,
             episode.history,
             episode.last_turn,
             self.tokenizer.decode([stop_token]),
@@ -197,7 +216,7 @@ class EpisodeGenerator:
 
     def _rollout(self, episodes: list[Episode], prompts: Sequence[Prompt], policy_version: int) -> Rollout:
         """The episodes as one :class:`Rollout`: the response is everything after the prompt."""
-        query_ids, query_mask = self.engine.left_padded([episode.query for episode in episodes])
+        query_ids, query_mask = self.renderer.left_padded([episode.query for episode in episodes])
         width = max(len(episode.tokens) for episode in episodes)
         shape = (len(episodes), width)
         response_ids = torch.full(shape, self.engine.pad_token_id, dtype=torch.long)
@@ -210,29 +229,27 @@ class EpisodeGenerator:
             context_mask[i, :n] = torch.tensor(episode.context, dtype=torch.float32)
             logp_old[i, :n] = torch.tensor(episode.logps)
             turn_rewards[i, :n] = torch.tensor(episode.rewards)
-        device = next(self.engine.model.parameters()).device
-
-        def counts(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(episode, name) for episode in episodes], device=device)
-
+        device = self.engine.device
+        counts = {name: torch.tensor([e.counts[name] for e in episodes], device=device) for name in COUNTS}
         return Rollout(
             query_ids=query_ids.to(device),
             query_mask=query_mask.to(device),
             response_ids=response_ids.to(device),
             response_mask=response_mask.to(device),
-            terminated=counts("terminated"),
+            terminated=torch.tensor([episode.terminated for episode in episodes], device=device),
             logp_old=logp_old.to(device),
             policy_version=self.engine.version_sampled(policy_version),
             created_at=time.time(),
             prompts=list(prompts),
             response_texts=[episode.last_turn for episode in episodes],
-            temperature=self.engine.temperature,
-            context_mask=context_mask.to(device),
-            turn_rewards=turn_rewards.to(device),
-            turns=counts("turns"),
-            tool_calls=counts("tool_calls"),
-            tool_failures=counts("tool_failures"),
-            transcripts=[self._transcript(episode) for episode in episodes],
+            temperature=self.engine.settings.temperature,
+            episode=EpisodePart(
+                context_mask=context_mask.to(device),
+                turn_rewards=turn_rewards.to(device),
+                transcripts=[self._transcript(episode) for episode in episodes],
+                counts=counts,
+                environment_s=self.environment_s,
+            ),
         )
 
     def _transcript(self, episode: Episode) -> list[tuple[str, bool]]:

@@ -20,7 +20,7 @@ gradients. The passes over it are :mod:`lmppo.sampling.passes`; the engines that
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Self
 
@@ -35,8 +35,83 @@ from lmppo.modeling.distributed import gather_objects
 QUERY_COLUMNS = ("query_ids", "query_mask")  # (B, Q), left-padded; every other 2-D tensor is (B, R)
 
 
+class RowRecord:
+    """A record of B rows (a dataclass): every tensor (B, ...), list of B, dictionary of such tensors and
+    nested record is per row, and follows the row operations."""
+
+    def per_row(self) -> dict[str, torch.Tensor | list | dict | RowRecord]:
+        """The fields that hold one entry per row, by name; None ones left out."""
+        return {
+            f.name: value
+            for f in dataclasses.fields(self)
+            if isinstance(value := getattr(self, f.name), torch.Tensor | list | dict | RowRecord)
+        }
+
+    def map_rows(self, change: Callable[[str, torch.Tensor | list], torch.Tensor | list]) -> Self:
+        """This record with ``change(name, value)`` of every per-row tensor and list, nested ones included
+        (a dictionary's under its keys)."""
+
+        def changed(name: str, value):
+            if isinstance(value, RowRecord):
+                return value.map_rows(change)
+            if isinstance(value, dict):
+                return {key: change(key, v) for key, v in value.items()}
+            return change(name, value)
+
+        return dataclasses.replace(self, **{n: changed(n, v) for n, v in self.per_row().items()})
+
+    def select(self, index) -> Self:
+        """The rows ``index`` (ints, slice, bool mask or index tensor) as a new record of the same kind."""
+        if isinstance(index, torch.Tensor):
+            index = index.cpu()
+        rows = torch.arange(len(self))[index].reshape(-1)
+
+        def picked(name: str, value):
+            return (
+                [value[i] for i in rows.tolist()] if isinstance(value, list) else value[rows.to(value.device)]
+            )
+
+        return self.map_rows(picked)
+
+    def to(self, device: torch.device | str) -> Self:
+        return self.map_rows(lambda name, v: v.to(device) if isinstance(v, torch.Tensor) else v)
+
+
+def joined_rows(parts: Sequence[RowRecord], join: Callable[[str, list], torch.Tensor | list]) -> RowRecord:
+    """One record of all ``parts`` (records of one kind): ``join(name, values)`` of each per-row field's
+    values, one per part (nested records and dictionaries joined field by field)."""
+
+    def joined(name: str, values: list):
+        if isinstance(values[0], RowRecord):
+            return joined_rows(values, join)
+        if isinstance(values[0], dict):
+            return {key: join(key, [v[key] for v in values]) for key in values[0]}
+        return join(name, values)
+
+    first = parts[0]
+    return dataclasses.replace(
+        first, **{n: joined(n, [getattr(p, n) for p in parts]) for n in first.per_row()}
+    )
+
+
 @dataclass(frozen=True)
-class Rollout:
+class EpisodePart(RowRecord):
+    """What an environment's episodes add to a rollout (docs/multiturn.md): which response tokens are
+    context, each turn's reward, the transcripts, and per episode whatever the environment reports
+    (:attr:`counts`, logged as ``episode/<name>``)."""
+
+    context_mask: torch.Tensor  # (B, R) 1 on tokens its turns inserted (tool output, template)
+    turn_rewards: torch.Tensor  # (B, R) each turn's reward from it, on the turn's last action
+    transcripts: list  # per episode: its text in runs of (text, is_action), for reading
+    counts: dict[str, torch.Tensor]  # (B,) per name: the policy's turns, the tool calls, the failed ones, ...
+    environment_s: float = 0.0  # seconds the environments took to reset and step
+
+    def __len__(self) -> int:
+        return self.context_mask.shape[0]
+
+
+@dataclass(frozen=True)
+class Rollout(RowRecord):
     """What the engine sampled: one batch of responses with everything PPO needs from the sampling policy.
 
     Tensors: ``query_ids`` (B, Q) long, left-padded; ``query_mask`` (B, Q) long, 1 = real prompt token;
@@ -47,8 +122,9 @@ class Rollout:
     ``bootstrap_value`` (B,).
 
     Each stage returns a new record: :class:`ScoredRollout` adds what scoring made, :class:`EstimatedRollout`
-    the advantages. Every tensor (B, ...) and every list of B follows :meth:`select`, :meth:`minibatches`,
-    :meth:`to`, :func:`trim_padding` and :func:`concat_rollouts`, whatever the stage.
+    the advantages. Every tensor (B, ...), every list of B and the episode part's follow :meth:`select`,
+    :meth:`minibatches`, :meth:`to`, :func:`trim_padding` and :func:`concat_rollouts`, whatever the stage
+    (:class:`RowRecord`).
     """
 
     query_ids: torch.Tensor
@@ -65,14 +141,7 @@ class Rollout:
     generation_s: float = 0.0  # seconds the engine sampled this batch (on a worker thread when asynchronous)
     values: torch.Tensor | None = None  # V before each response token (the decode loop's or a stored pass)
     bootstrap_value: torch.Tensor | None = None  # V after the last token of a truncated row, else 0
-    # An environment's episodes (rollout.environment; None for one sampled response per prompt):
-    context_mask: torch.Tensor | None = None  # (B, R) 1 on tokens its turns inserted (tool output, template)
-    turn_rewards: torch.Tensor | None = None  # (B, R) each turn's reward from it, on the turn's last action
-    turns: torch.Tensor | None = None  # (B,) long: the policy's turns per episode
-    tool_calls: torch.Tensor | None = None  # (B,) long: the tool calls the environment ran
-    tool_failures: torch.Tensor | None = None  # (B,) long: of those, the calls it answered with an error
-    transcripts: list | None = None  # per episode: its text in runs of (text, is_action), for reading
-    environment_s: float = 0.0  # seconds the environments took to reset and step
+    episode: EpisodePart | None = None  # an environment's episodes (rollout.environment); None: one response
     reward_raw: list | None = None  # per row, each reward component's raw score, when sampling scored it
 
     def __len__(self) -> int:
@@ -90,9 +159,9 @@ class Rollout:
         """(B, R): the tokens the policy sampled (each turn's stop token included), the only ones in the loss,
         the KL and GAE's credit path. Without an environment every response token is one; in an episode the
         context an environment's turns inserted is in the sequence (``response_mask``) but not an action."""
-        if self.context_mask is None:
+        if self.episode is None:
             return self.response_mask
-        return self.response_mask * (1.0 - self.context_mask)
+        return self.response_mask * (1.0 - self.episode.context_mask)
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -108,27 +177,6 @@ class Rollout:
         """``(input_ids, attention_mask, position_ids)``, each (B, Q + R), for a forward pass."""
         return sequence_inputs(self.query_ids, self.query_mask, self.response_ids)
 
-    def per_row(self) -> dict[str, torch.Tensor | list]:
-        """The fields that hold one entry per row (tensors and lists), by name; None ones left out."""
-        return {
-            f.name: value
-            for f in dataclasses.fields(self)
-            if isinstance(value := getattr(self, f.name), torch.Tensor | list)
-        }
-
-    def select(self, index) -> Rollout:
-        """The rows ``index`` (ints, slice, bool mask or index tensor) as a new record of the same stage."""
-        if isinstance(index, torch.Tensor):
-            index = index.cpu()
-        rows = torch.arange(len(self))[index].reshape(-1)
-        picked = {
-            name: [value[i] for i in rows.tolist()]
-            if isinstance(value, list)
-            else value[rows.to(value.device)]
-            for name, value in self.per_row().items()
-        }
-        return dataclasses.replace(self, **picked)
-
     def minibatches(self, size: int, shuffle_generator: torch.Generator | None = None) -> Iterator[Rollout]:
         """Consecutive minibatches of ``size`` rows (the last may be smaller), shuffled when given a generator."""
         if shuffle_generator is None:
@@ -138,18 +186,16 @@ class Rollout:
         for start in range(0, len(self), size):
             yield self.select(order[start : start + size])
 
-    def to(self, device: torch.device | str) -> Rollout:
-        moved = {name: v.to(device) for name, v in self.per_row().items() if isinstance(v, torch.Tensor)}
-        return dataclasses.replace(self, **moved)
-
 
 @dataclass(frozen=True, kw_only=True)
 class ScoredRollout(Rollout):
-    """What scoring added: the score each row's reward uses, the reference's log-probs and, with a critic,
+    """What scoring added: the score each row's reward uses, the reference's log-probs and the per-token KL
+    to it (the estimator's rewards and the metrics read it, never computing it again) and, with a critic,
     the values (a stored pass, unless the decode loop read them already)."""
 
     rm_score: torch.Tensor  # (B,) preprocessed; 0 on unfinished rows when they are bootstrapped instead
     logp_ref: torch.Tensor  # (B, R) the frozen reference's log-probs of the samples, at the temperature
+    kl_ref: torch.Tensor  # (B, R) KL(old policy || reference) per action token (kl.estimator), 0 elsewhere
     logp_trainer: torch.Tensor | None = None  # ppo.tis_cap: the trainer's own log-probs of the samples
     tis_weights: torch.Tensor | None = None  # ppo.tis_cap: min(p_trainer / p_sampler, cap) per token
 
@@ -163,7 +209,7 @@ class ScoredRollout(Rollout):
     def episode_score(self) -> torch.Tensor:
         """(B,) what judges a row as a whole (a group estimator's baseline, best-of-n's pick): the run's
         reward, plus an episode's turn rewards."""
-        return self.rm_score if self.turn_rewards is None else self.rm_score + self.turn_rewards.sum(1)
+        return self.rm_score if self.episode is None else self.rm_score + self.episode.turn_rewards.sum(1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,12 +261,13 @@ def trim_padding(rollout: Rollout) -> Rollout:
     length = int(rollout.response_mask.sum(1).max().clamp(min=1))
     if first == 0 and length == rollout.response_ids.shape[1]:
         return rollout
-    trimmed = {
-        name: value[:, first:] if name in QUERY_COLUMNS else value[:, :length]
-        for name, value in rollout.per_row().items()
-        if isinstance(value, torch.Tensor) and value.dim() == 2
-    }
-    return dataclasses.replace(rollout, **trimmed)
+
+    def trimmed(name: str, value):
+        if not isinstance(value, torch.Tensor) or value.dim() != 2:
+            return value
+        return value[:, first:] if name in QUERY_COLUMNS else value[:, :length]
+
+    return rollout.map_rows(trimmed)
 
 
 def token_budget_groups(max_tokens: int, *part_lengths: torch.Tensor) -> list[list[int]]:
@@ -280,14 +327,12 @@ def concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
             return torch.nn.functional.pad(t, (queries - t.shape[1], 0))
         return torch.nn.functional.pad(t, (0, responses - t.shape[1]))
 
-    joined = {}
-    for name, value in parts[0].per_row().items():
-        values = [getattr(part, name) for part in parts]
-        if isinstance(value, list):
-            joined[name] = [item for v in values for item in v]
-        else:
-            joined[name] = torch.cat([padded(name, v) for v in values])
-    return dataclasses.replace(parts[0], **joined)
+    def join(name: str, values: list):
+        if isinstance(values[0], list):
+            return [item for v in values for item in v]
+        return torch.cat([padded(name, v) for v in values])
+
+    return joined_rows(parts, join)
 
 
 def padded_tokens(batch: Rollout) -> int:

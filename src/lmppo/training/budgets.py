@@ -81,11 +81,14 @@ class TokenBudgets:
         return {"perf/oom_retries": float(retries), **shrunk}
 
     def shrinking(
-        self, phase: str, run: Callable[[int | None], T], failed_tokens: Callable[[], int], limit: int
+        self, phase: str, run: Callable[[int | None], T], failed_tokens: Callable[[], int], limit: int | None
     ) -> T:
         """``run(budget)`` under ``phase``'s budget; after an out-of-memory error, again under half of it,
-        ``limit`` halvings at most over the run. ``failed_tokens()``: the positions of the forward that
-        ran out (what the budget halves when it was larger, or unset)."""
+        ``limit`` halvings at most over the run (None: the phase cannot be redone, its error stops the
+        run). ``failed_tokens()``: the positions of the forward that ran out (what the budget halves when
+        it was larger, or unset)."""
+        if limit is None:
+            return run(getattr(self, phase))
         while True:
             try:
                 return run(getattr(self, phase))

@@ -100,7 +100,7 @@ METRIC_NAMES: dict[str, str] = {
     "perf/allgather_mb": "FSDP2: weight bytes each rank received by all-gather this step, MiB (fsdp2 only)",
     "perf/reduce_scatter_mb": "FSDP2: gradient bytes each rank sent by reduce-scatter this step, MiB (fsdp2 only)",
     "perf/trained_state_mb": "trained weights + gradients + optimizer state this rank holds, MiB (1/N under fsdp2)",
-    "perf/compiles": "run.compile: graphs torch.compile built so far in this process (one per grad mode and precision; a count that keeps growing warns)",
+    "perf/compiles": "compiled runs only: graphs torch.compile built so far in this process (one per grad mode and precision; a count that keeps growing warns)",
     "perf/oom_retries": "phases redone this step after an out-of-memory error, each under half its token budget (run.oom_retries)",
     "perf/generation_batch_tokens": "generation's token budget per decode batch, as out-of-memory errors halved it (logged once halved)",
     "perf/forward_batch_tokens": "the stored passes' token budget per forward, as out-of-memory errors halved it (logged once halved)",

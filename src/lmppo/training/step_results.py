@@ -1,6 +1,8 @@
-"""A step's typed results and the metrics named from them: what scoring and the estimator report, and what
-one micro-batch, one minibatch and the update report to :class:`lmppo.training.trainer.PPOTrainer`.
-The trainer steers by these records' fields; the dictionaries here are only what is logged.
+"""A step's typed results and the metrics named from them: what scoring's reward stage and the estimator
+made beside their records, and what one micro-batch, one minibatch and the update report to
+:class:`lmppo.training.trainer.PPOTrainer`. Each stage's metrics are computed from its records after it.
+The trainer steers by these records' fields and by two global means of scoring's metrics (``kl/ref`` feeds
+the KL controller, ``response/length`` the run's token count); the dictionaries are otherwise only logged.
 """
 
 from __future__ import annotations
@@ -8,13 +10,13 @@ from __future__ import annotations
 import math
 import resource
 import time
-from dataclasses import astuple, dataclass, fields, replace
+from dataclasses import astuple, dataclass, fields
 
 import torch
 
 from lmppo.math import core
 from lmppo.modeling.distributed import all_sum
-from lmppo.sampling.rollout import EstimatedRollout, ScoredRollout
+from lmppo.sampling.rollout import EpisodePart, EstimatedRollout, ScoredRollout
 
 
 @dataclass
@@ -62,24 +64,14 @@ class UpdateResult:
 
 
 @dataclass(frozen=True)
-class Scores:
-    """The reward side of a step, beside its scored record: the metrics it logs and the per-token KL."""
+class RewardStage:
+    """What scoring's reward stage made beside the scored record (which keeps the score used), for the
+    metrics: the raw score and what preprocessing did to it."""
 
-    metrics: dict[str, float]
-    kl_per_token: torch.Tensor  # (B, R) KL(sampler || reference) per action token, 0 elsewhere (this rank)
-
-    @property
-    def kl_ref(self) -> float:
-        """The global mean per-sequence KL, for the controller."""
-        return self.metrics["kl/ref"]
-
-    @property
-    def mean_length(self) -> float:
-        """Response tokens per row (all ranks)."""
-        return self.metrics["response/length"]
-
-    def with_metrics(self, metrics: dict[str, float]) -> Scores:
-        return replace(self, metrics=self.metrics | metrics)
+    raw: torch.Tensor  # (B,) the components' raw scores, weighted: reward/rm_score
+    component_rows: dict[str, torch.Tensor]  # per row: reward/<name>/raw and /used, reward/gate_frac
+    stats: dict[str, float]  # preprocessing's: normalisation, clipping, penalties (reward/overlong_penalty)
+    differs: bool  # preprocessing, components or bootstrapping make the score used differ from the raw
 
 
 @dataclass(frozen=True)
@@ -101,50 +93,51 @@ def row_means(per_row: dict[str, torch.Tensor], rows: int, device, group) -> dic
 
 
 def scored_metrics(
-    scored: ScoredRollout,
-    rm_score_raw: torch.Tensor,
-    kl_per_token: torch.Tensor,
-    component_rows: dict[str, torch.Tensor] | None,
-    group,
+    scored: ScoredRollout, reward: RewardStage, tis_cap: float | None, group
 ) -> dict[str, float]:
-    """The reward side of a scored rollout: sequence-level quantities averaged over all ranks' rows, the
-    rollout's age and the non-finite count. ``component_rows`` (with the score used) when preprocessing or
-    components make it differ from the raw."""
+    """The scoring side of a step, from its records: sequence-level quantities averaged over all ranks'
+    rows (the score used and each component's when ``reward.differs``), the rollout's age, the non-finite
+    count, the preprocessing's statistics and, under ``ppo.tis_cap``, the share of capped weights."""
     mask = scored.action_mask
     per_row = {
-        "reward/rm_score": rm_score_raw,
-        "kl/ref": kl_per_token.sum(1),
+        "reward/rm_score": reward.raw,
+        "kl/ref": scored.kl_ref.sum(1),
         "response/length": mask.sum(1),
         "response/eos_frac": scored.terminated.float(),
         "response/truncated_frac": (~scored.terminated).float(),
     }
-    if component_rows is not None:
+    if reward.differs:
         per_row["reward/rm_score_used"] = scored.rm_score
-        per_row.update(component_rows)
-    if scored.context_mask is not None:  # an environment's episodes
-        per_row |= {
-            "episode/turns": scored.turns.float(),
-            "episode/tool_calls": scored.tool_calls.float(),
-            "episode/tool_failures": scored.tool_failures.float(),
-            "episode/context_tokens": scored.context_mask.sum(1),
-            "reward/turn": scored.turn_rewards.sum(1),
-        }
+        per_row.update(reward.component_rows)
+    if scored.episode is not None:  # an environment's episodes
+        per_row |= episode_rows(scored.episode)
     metrics = row_means(per_row, len(scored), mask.device, group)
     metrics["lag/rollout_age_s"] = time.time() - scored.created_at
     metrics["health/nonfinite"] = nonfinite_count(
-        rm_score_raw, scored.logp_ref, scored.values, scored.action_mask, group
+        reward.raw, scored.logp_ref, scored.values, scored.action_mask, group
     )
+    metrics |= reward.stats
+    if scored.tis_weights is not None:
+        clipped = (scored.tis_weights >= tis_cap).float()
+        metrics["engine/tis_clip_frac"] = core.masked_mean(clipped, mask, group).item()
     return metrics
 
 
-def estimate_metrics(
-    estimated: EstimatedRollout, e: RewardEstimates, kl_per_token: torch.Tensor, group
-) -> dict[str, float]:
+def episode_rows(episode: EpisodePart) -> dict[str, torch.Tensor]:
+    """Per episode: each count its environment reports (``episode/<name>``), the context tokens its turns
+    inserted and the sum of its turn rewards."""
+    rows = {f"episode/{name}": count.float() for name, count in episode.counts.items()}
+    rows["episode/context_tokens"] = episode.context_mask.sum(1)
+    rows["reward/turn"] = episode.turn_rewards.sum(1)
+    return rows
+
+
+def estimate_metrics(estimated: EstimatedRollout, e: RewardEstimates, group) -> dict[str, float]:
     """The estimator's side: the shaped reward and its KL penalty per sequence, the advantages' statistics
     and, with a critic, the value fit."""
     per_row = {"reward/shaped": e.rewards.sum(1)}
     if e.kl_in_reward:
-        per_row["reward/kl_penalty"] = -e.beta * kl_per_token.sum(1)
+        per_row["reward/kl_penalty"] = -e.beta * estimated.kl_ref.sum(1)
     if e.flat_groups is not None:  # no learning signal from a group whose samples all scored the same
         per_row["adv/flat_group_frac"] = e.flat_groups.float()
     metrics = row_means(per_row, len(estimated), estimated.response_mask.device, group)
@@ -181,7 +174,7 @@ def update_metrics(totals: TokenMeans, results: list[MinibatchResult], kl_in_los
 
 
 def step_metrics(
-    scores: Scores,
+    stages: dict[str, float],
     update: UpdateResult,
     *,
     beta: float | None,
@@ -189,17 +182,18 @@ def step_metrics(
     seconds: dict[str, float],
     n_tokens: float,
 ) -> dict[str, float]:
-    """One step's metrics from its records: the reward side, the update, the controller's beta (None: no KL
-    coefficient in this step), the lag and the phase times with the throughputs made from them."""
+    """One step's metrics from its records: the stages' before the update (scoring's, the estimator's), the
+    update, the controller's beta (None: no KL coefficient in this step), the lag and the phase times with
+    the throughputs made from them."""
     return {
-        **scores.metrics,
+        **stages,
         **update.metrics,
         "policy/epochs": float(update.epochs),
         "policy/updates": float(update.updates),
         "health/nonfinite_updates": float(update.nonfinite_updates),
         **({} if beta is None else {"kl/beta": beta}),
         "lag/policy_versions": float(lag),
-        "health/nonfinite": scores.metrics["health/nonfinite"] + update.nonfinite_updates,
+        "health/nonfinite": stages["health/nonfinite"] + update.nonfinite_updates,
         **seconds,
         "perf/rollout_tokens_per_s": n_tokens / max(seconds["perf/rollout_s"], 1e-9),
         "perf/train_tokens_per_s": n_tokens * update.epochs / max(seconds["perf/update_s"], 1e-9),

@@ -1,7 +1,8 @@
 """The PPO step: one ``PPOTrainer.step`` reads top to bottom in the order of the method.
 
 All the math lives in :mod:`lmppo.math.core`; sampling and scoring, which best-of-n shares, in
-:class:`lmppo.training.steps.Stepper`; the estimator in :mod:`lmppo.training.advantages`; the rollout's
+:class:`lmppo.training.sampler.Sampler` and :class:`lmppo.training.scorer.Scorer`, composed by
+:class:`lmppo.training.base.Trainer`; the estimator in :mod:`lmppo.training.advantages`; the rollout's
 records and their batching in :mod:`lmppo.sampling.rollout`, the update's forward in
 :mod:`lmppo.sampling.passes`. What the trainer steps with is built by :func:`lmppo.runs.build.build_trainer`
 (sharded or wrapped for data parallelism before it exists); its state in a checkpoint is
@@ -23,20 +24,26 @@ from lmppo.modeling.models import trainable_parameters
 from lmppo.progress import advance, phase
 from lmppo.sampling.rollout import EstimatedRollout, padded_tokens, rank_micro_batches
 from lmppo.training.advantages import estimate
+from lmppo.training.base import Trainer
 from lmppo.training.metrics import timed
-from lmppo.training.step_results import MinibatchResult, TokenMeans, UpdateResult, update_metrics
-from lmppo.training.steps import Stepper
+from lmppo.training.step_results import (
+    MinibatchResult,
+    TokenMeans,
+    UpdateResult,
+    scored_metrics,
+    update_metrics,
+)
 
 
-class PPOTrainer(Stepper):
-    """PPO on a policy, a frozen reference, a reward and a critic; :meth:`step` is one iteration, each stage
-    taking the record the one before returned:
+class PPOTrainer(Trainer):
+    """PPO on a policy, a frozen reference, a reward and a critic (or none: a critic-free estimator);
+    :meth:`step` is one iteration, each stage taking the record the one before returned:
 
-    1. **Sample** (:meth:`Stepper.sample`): the current policy's responses, ``logp_old`` and the policy
-       version recorded; a rollout older than allowed is sampled again (one version behind with
-       ``rollout.asynchronous``).
-    2. **Score** (:meth:`Stepper.score`): the raw score of each response, preprocessed; the reference's
-       log-probs; the critic's values.
+    1. **Sample** (:meth:`Sampler.sample <lmppo.training.sampler.Sampler.sample>`): the current policy's
+       responses, ``logp_old`` and the policy version recorded; a rollout older than allowed is sampled
+       again (one version behind with ``rollout.asynchronous``).
+    2. **Score** (:meth:`Scorer.score <lmppo.training.scorer.Scorer.score>`): the raw score of each
+       response, preprocessed; the reference's log-probs and the per-token KL to it; the critic's values.
     3. **Estimate** (:func:`lmppo.training.advantages.estimate`): ``-beta * KL`` per token plus the score on
        the last valid token, masked GAE over the response (returns = A + V), whitening with global statistics.
     4. **Update** (:meth:`update`): ``ppo_epochs`` passes over shuffled minibatches
@@ -51,13 +58,15 @@ class PPOTrainer(Stepper):
         seconds: dict[str, float] = {}
         critic_only = self.step_count < cfg.ppo.critic_warmup_steps  # critic warmup: the policy waits
         with timed(seconds, "perf/step_s"):
-            rollout = self.sample(seconds)  # 1
+            rollout = self.sampler.sample(self.policy_version, seconds)  # 1
             lag = self.policy_version - rollout.policy_version
             with phase("scoring"), timed(seconds, "perf/score_s"):
-                scored, scores = self.score(rollout)  # 2
-                estimated, estimate_metrics = estimate(  # 3
-                    scored, scores, self.kl_controller.value, cfg, self.spec, self.group
+                scored, reward = self.scorer.score(rollout, self.policy_version, seconds)  # 2
+                stages = scored_metrics(scored, reward, cfg.ppo.tis_cap, self.group)
+                estimated, estimated_metrics = estimate(  # 3
+                    scored, self.kl_controller.value, self.spec.estimator, self.group
                 )
+                stages |= estimated_metrics
             # 4. PPO epochs over shuffled minibatches; an engine with its own weights gets the new policy.
             with phase("update"), timed(seconds, "perf/update_s"):
                 update = self.update(estimated, critic_only)
@@ -67,10 +76,9 @@ class PPOTrainer(Stepper):
 
             # 5. KL controller, fed the global mean per-sequence KL and stepped once per sample.
             beta = self.kl_controller.value
-            self.kl_controller.update(scores.kl_ref, n_steps=cfg.rollout.responses_per_step)
+            self.kl_controller.update(stages["kl/ref"], n_steps=cfg.rollout.responses_per_step)
             self.end_step()
-        scores = scores.with_metrics(estimate_metrics)
-        return self.step_metrics(scores, update, beta, lag, seconds)
+        return self.logged_metrics(stages, update, beta, lag, seconds)
 
     def update(self, rollout: EstimatedRollout, critic_only: bool = False) -> UpdateResult:
         """``ppo_epochs`` passes of clipped-surrogate updates; stops early when approx KL is too high.
@@ -118,8 +126,8 @@ class PPOTrainer(Stepper):
             micro_batches, weights = self.micro_batches(minibatch, budget)
             return self.accumulate(micro_batches, weights, global_tokens, global_rows, critic_only, failed)
 
-        means, ratio_max, ptx_loss = self.recovering(
-            "update", accumulate, lambda: padded_tokens(failed[-1] if failed else minibatch)
+        means, ratio_max, ptx_loss = self.budgets.shrinking(
+            "update", accumulate, lambda: padded_tokens(failed[-1] if failed else minibatch), self.oom_retries
         )
         summed = [*astuple(means), *([] if ptx_loss is None else [ptx_loss])]
         summed = all_sum(torch.tensor(summed, dtype=torch.float64), self.group).tolist()
