@@ -202,7 +202,7 @@ class Engine(Protocol):
 class Generator(Protocol):
     """What the trainer, the pre-flight and evaluation sample rollouts through, on any :class:`Engine`:
     :class:`lmppo.sampling.responses.ResponseGenerator` (one response per prompt) or
-    :class:`lmppo.sampling.episodes.EpisodeGenerator` (an environment's episodes)."""
+    :class:`lmppo.sampling.episodes.EpisodeGenerator` (an environment's episodes), both :class:`OnEngine`."""
 
     engine: Engine
     renderer: PromptRenderer
@@ -224,6 +224,31 @@ class Generator(Protocol):
         them. ``rows``: the prompts' whole rows (default: ``{"prompt": prompt}``), what an episode's
         environment resets on."""
         ...
+
+    def sync_weights(self, policy: nn.Module, policy_version: int) -> None:
+        """The engine's :meth:`Engine.sync_weights`."""
+        ...
+
+    def close(self, abandon: bool = False) -> None:
+        """The engine's :meth:`Engine.close`."""
+        ...
+
+
+class OnEngine:
+    """What a generator hands straight to its engine (``self.engine``): the decode budget, the weight sync
+    and closing."""
+
+    engine: Engine
+
+    @property
+    def decode_budget(self) -> DecodeBudget | None:
+        return self.engine.decode_budget
+
+    def sync_weights(self, policy: nn.Module, policy_version: int) -> None:
+        self.engine.sync_weights(policy, policy_version)
+
+    def close(self, abandon: bool = False) -> None:
+        self.engine.close(abandon)
 
 
 def sample_seed(seed: int, sample_id: int, turn: int = 0) -> int:

@@ -24,11 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from lmppo.errors import LmppoError, user_code_error
 from lmppo.inputs.data import ROLES, Prompt, as_messages, encode_context
-from lmppo.sampling.engines import DecodeBudget, Engine, sample_seed
+from lmppo.sampling.engines import Engine, OnEngine, sample_seed
 from lmppo.sampling.environments import Environment, Step
 from lmppo.sampling.prompts import PromptRenderer
 from lmppo.sampling.rollout import EpisodePart, Rollout, response_mask_from_ids
@@ -66,7 +65,7 @@ class Episode:
         self.done, self.terminated = True, terminated
 
 
-class EpisodeGenerator:
+class EpisodeGenerator(OnEngine):
     """A :class:`lmppo.sampling.engines.Generator` that plays episodes on any engine: ``engine`` (the decode
     loop, its snapshot under ``rollout.asynchronous``, or vLLM) samples each turn, one ``make_environment()``
     per episode answers it, ``renderer`` renders the prompts."""
@@ -87,16 +86,6 @@ class EpisodeGenerator:
         self.max_turns, self.max_total_tokens, self.seed = max_turns, max_total_tokens, seed
         self.tokenizer = renderer.tokenizer
         self.environment_s = 0.0
-
-    @property
-    def decode_budget(self) -> DecodeBudget | None:
-        return self.engine.decode_budget
-
-    def sync_weights(self, policy: nn.Module, policy_version: int) -> None:
-        self.engine.sync_weights(policy, policy_version)
-
-    def close(self, abandon: bool = False) -> None:
-        self.engine.close(abandon)
 
     def generate(
         self,

@@ -9,30 +9,19 @@ import time
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from lmppo.inputs.data import Prompt
 from lmppo.math.core import last_response_index
-from lmppo.sampling.engines import DecodeBudget, Engine
+from lmppo.sampling.engines import Engine, OnEngine
 from lmppo.sampling.prompts import PromptRenderer
 from lmppo.sampling.rollout import Rollout, response_mask_from_ids
 
 
-class ResponseGenerator:
+class ResponseGenerator(OnEngine):
     """A :class:`~lmppo.sampling.engines.Generator` sampling one response per prompt on ``engine``."""
 
     def __init__(self, engine: Engine, renderer: PromptRenderer) -> None:
         self.engine, self.renderer = engine, renderer
-
-    @property
-    def decode_budget(self) -> DecodeBudget | None:
-        return self.engine.decode_budget
-
-    def sync_weights(self, policy: nn.Module, policy_version: int) -> None:
-        self.engine.sync_weights(policy, policy_version)
-
-    def close(self, abandon: bool = False) -> None:
-        self.engine.close(abandon)
 
     def generate(
         self,
