@@ -80,6 +80,7 @@ def worker(args) -> dict:
         values=zeros,
         rm_score=torch.zeros(args.rows),
         logp_ref=zeros,
+        kl_ref=zeros,
         advantages=torch.randn(args.rows, args.response),
         returns=zeros,
     )

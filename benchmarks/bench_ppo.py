@@ -341,7 +341,7 @@ def lmppo_trainer(args, world: Path):
 def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], list[dict], list, int, dict]:
     import torch
 
-    from lmppo.training import steps as steps_module
+    from lmppo.training import scorer as scorer_module
 
     trainer = lmppo_trainer(args, world)
 
@@ -354,10 +354,10 @@ def lmppo_worker(args, world: Path, clock: PhaseClock) -> tuple[list[float], lis
         return rollout
 
     trainer.generator.generate = clock.wrap("generation", generate_and_count)
-    steps_module.sequence_logprobs = clock.wrap("logprobs", steps_module.sequence_logprobs)
-    steps_module.value_predictions = clock.wrap("values", steps_module.value_predictions)
+    scorer_module.sequence_logprobs = clock.wrap("logprobs", scorer_module.sequence_logprobs)
+    scorer_module.value_predictions = clock.wrap("values", scorer_module.value_predictions)
     # the variant rows (LoRA reference, shared trunk) go through these same functions
-    trainer.reward.raw_scores = clock.wrap("scoring", trainer.reward.raw_scores)
+    trainer.scorer.reward.raw_scores = clock.wrap("scoring", trainer.scorer.reward.raw_scores)
     trainer.micro_batch_loss = clock.wrap("update_forward", trainer.micro_batch_loss)
     torch.Tensor.backward = clock.wrap("backward", torch.Tensor.backward)
     trainer.optimizer.step = clock.wrap("optimizer", trainer.optimizer.step)

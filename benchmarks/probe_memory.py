@@ -28,7 +28,7 @@ import torch
 
 from lmppo.interface.cli import main
 from lmppo.runs import evaluate
-from lmppo.training import steps, trainer
+from lmppo.training import sampler, scorer, trainer
 
 
 class MallInfo2(ctypes.Structure):
@@ -137,8 +137,8 @@ def report() -> None:
 
 
 if __name__ == "__main__":
-    measured(steps.Stepper, "generate_next", "rollout")
-    measured(steps.Stepper, "stored_pass", "stored passes")
+    measured(sampler.Sampler, "generate", "rollout")
+    measured(scorer.Scorer, "stored_pass", "stored passes")
     measured(trainer.PPOTrainer, "accumulate", "update")
     measured(evaluate, "evaluate_policy", "evaluation")
     trainer.PPOTrainer.micro_batch_loss = count_saved(trainer.PPOTrainer.micro_batch_loss)

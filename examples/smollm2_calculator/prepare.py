@@ -38,9 +38,8 @@ def evaluate(model_dir: str, overrides: list[str]) -> None:
     from lmppo.inputs.resolve import resolve
     from lmppo.modeling.loading import load_causal_lm, load_tokenizer
     from lmppo.rewards.scoring import load_reward_function
-    from lmppo.runs.build import generator_options, with_environment
+    from lmppo.runs.build import generator_options, policy_generator
     from lmppo.runs.evaluate import evaluate_policy
-    from lmppo.sampling.hf_engine import hf_generator
     from lmppo.user_code import load_function
 
     cfg = load_config(HERE / "ppo.yaml", [f"models.policy.path={model_dir}", *overrides])
@@ -58,7 +57,7 @@ def evaluate(model_dir: str, overrides: list[str]) -> None:
         slices=[row["kind"] for row in load_prompt_rows(path)],
         batch_size=cfg.run.eval_batch_size,
         seed=cfg.run.seed,
-        generator=with_environment(cfg, spec.engine, hf_generator(policy, tokenizer, **options)),
+        generator=policy_generator(cfg, spec, policy, tokenizer),
         rows=load_prompt_rows(path),
     )
     print(f"{model_dir}: {len(result.rows)} held-out problems in {time.perf_counter() - start:.0f} s")

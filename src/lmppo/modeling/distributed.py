@@ -148,7 +148,10 @@ def failing_together(group: dist.ProcessGroup | None) -> Iterator[None]:
         failure = (type(err) is UserCodeError, str(err))
     if group is None:
         return
-    for rank, failed in enumerate(gather_objects(failure, group)):
+    failures = gather_objects(failure, group)
+    if any(failures):  # every rank done with the gather before any tears its group down on the error
+        dist.barrier(group=group)
+    for rank, failed in enumerate(failures):
         if failed is not None:
             user_code, message = failed
             raise (UserCodeError if user_code else LmppoError)(f"on rank {rank}: {message}")
