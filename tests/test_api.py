@@ -76,3 +76,26 @@ def test_bad_input_to_the_api_is_the_clis_message(run_files):
     ):
         lmppo.train(run_files, reward=lambda prompts, responses: [1.0])
     assert not (run_files.parent / "run").exists()  # a failed start leaves no directory behind
+
+
+class CountsOnce:
+    """A one-turn environment that rewards a response holding 'good'."""
+
+    def reset(self, row, seed):
+        pass
+
+    def step(self, text):
+        from lmppo.sampling.environments import Step
+
+        return Step(messages=[], reward=float("good" in text), done=True)
+
+
+def test_an_environment_class_is_taken_as_the_reward_function_is(run_files):
+    """lmppo.train(environment=Class), or the class in the config itself: recorded as python:NAME."""
+    cfg = yaml.safe_load(run_files.read_text())
+    cfg["run"]["steps"] = 1
+    cfg["rollout"]["environment"] = CountsOnce
+    result = lmppo.train(cfg)
+    recorded = yaml.safe_load((result.run_dir / "config.yaml").read_text())
+    assert recorded["rollout"]["environment"] == "python:CountsOnce"
+    assert [r["step"] for r in result.metrics] == [0, 1] and "reward/turn" in result.metrics[1]

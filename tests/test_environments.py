@@ -69,3 +69,14 @@ def test_an_environment_is_loaded_from_a_file_and_checked(tmp_path):
         load_environment(f"{tmp_path}/envs.py:not_a_class")
     with pytest.raises(LmppoError, match=r"rollout.environment .*has no attribute 'Missing'"):
         load_environment(f"{tmp_path}/envs.py:Missing")
+
+
+def test_a_misspelt_environment_class_gets_the_names_it_may_have_meant(tmp_path):
+    (tmp_path / "my_env.py").write_text(
+        "class GuessEnv:\n    def reset(self, row, seed): pass\n    def step(self, text): pass\n"
+    )
+    with pytest.raises(LmppoError, match=r"has no attribute 'GesEnv'; did you mean 'GuessEnv'\?") as err:
+        load_environment(f"{tmp_path}/my_env.py:GesEnv")
+    assert "did you mean" in str(err.value)
+    with pytest.raises(LmppoError, match=r"'package\.module:Class' or 'path/to/file\.py:Class'"):
+        load_environment("no_colon")

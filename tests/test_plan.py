@@ -131,6 +131,18 @@ def test_lmppo_plan_prints_the_table_and_the_verdict(run_files, capsys):
     assert "rollout.batch_size=16 is larger than the 8 prompts" in capsys.readouterr().err
 
 
+def test_plan_and_ppo_refuse_an_environment_that_does_not_import_before_any_model_loads(run_files, capsys):
+    missing = f"rollout.environment={run_files.parent / 'my_env.py'}:GuessEnv"
+    assert run_cli("plan", str(run_files), missing) == 2
+    assert "rollout.environment" in capsys.readouterr().err  # the plan said "fits" for it
+    (run_files.parent / "my_env.py").write_text("class GuessEnv:\n    pass\n")
+    misspelt = f"rollout.environment={run_files.parent / 'my_env.py'}:GesEnv"
+    assert run_cli("ppo", str(run_files), misspelt) == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'GuessEnv'" in err and "Traceback" not in err
+    assert not (run_files.parent / "run" / "checkpoints").exists()  # refused before step 0
+
+
 def test_a_run_that_cannot_fit_is_refused_before_loading_unless_forced(run_files, capsys, monkeypatch):
     monkeypatch.setattr(plan_module, "available_memory", lambda device: 1024)  # 1 KiB free
     assert run_cli("ppo", str(run_files)) == 2

@@ -6,6 +6,7 @@ line, or show the user's frames only (:func:`lmppo.errors.user_code_error`).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -26,41 +27,53 @@ def python_function_spec(function: Callable) -> str:
     return f"python:{name}"
 
 
-def load_function(spec: str, what: str = "reward function") -> Callable:
+def load_function(spec: str, what: str = "reward function", kind: str = "function") -> Callable:
     """Import ``"package.module:function"`` or ``"path/to/file.py:function"`` (relative to the working
-    directory), or look up a ``"python:NAME"`` function given to the Python API; errors name ``what``."""
+    directory), or look up a ``"python:NAME"`` function given to the Python API; errors name ``what``
+    and say what it should be (``kind``: a function, or a class)."""
     if spec.startswith("python:"):
         if spec.removeprefix("python:") not in PYTHON_FUNCTIONS:
             raise LmppoError(
-                f"{what} {spec!r} was a Python function given to lmppo.train in another process; pass it "
-                "again (lmppo.train(..., reward=function)), or name an importable one: 'module:function'"
+                f"{what} {spec!r} was a Python {kind.lower()} given to lmppo.train in another process; pass it again "
+                f"(lmppo.train(..., reward=function) or environment=Class), or name an importable one: "
+                f"'module:{kind}'"
             )
         return PYTHON_FUNCTIONS[spec.removeprefix("python:")]
     module_name, sep, attribute = spec.rpartition(":")
     if not sep or not module_name or not attribute:
         raise LmppoError(
-            f"{what} {spec!r} must look like 'package.module:function' or 'path/to/file.py:function'."
+            f"{what} {spec!r} must look like 'package.module:{kind}' or 'path/to/file.py:{kind}'."
         )
     module = (
         _import_file(module_name, spec, what)
         if module_name.endswith(".py")
-        else _import_module(module_name, spec, what)
+        else _import_module(module_name, spec, what, kind)
     )
     function = getattr(module, attribute, None)
     if function is None:
-        raise LmppoError(f"{what} {spec!r}: module {module_name!r} has no attribute {attribute!r}.")
+        raise LmppoError(
+            f"{what} {spec!r}: module {module_name!r} has no attribute {attribute!r}"
+            f"{_did_you_mean(module, attribute)}."
+        )
     if not callable(function):
-        raise LmppoError(f"{what} {spec!r}: {attribute!r} is a {type(function).__name__}, not a function.")
+        raise LmppoError(f"{what} {spec!r}: {attribute!r} is a {type(function).__name__}, not a {kind}.")
     return function
 
 
-def _import_module(name: str, spec: str, what: str):
+def _did_you_mean(module, attribute: str) -> str:
+    """``; did you mean 'X'?`` for the module's public names closest to a misspelt ``attribute``."""
+    names = [name for name in vars(module) if not name.startswith("_")]
+    close = difflib.get_close_matches(attribute, names, n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+
+
+def _import_module(name: str, spec: str, what: str, kind: str):
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as err:
         raise LmppoError(
             f"{what} {spec!r}: cannot import module {name!r} ({err}); check the name and that it is importable "
-            "(installed, or on PYTHONPATH), or give a file: 'path/to/file.py:function'."
+            f"(installed, or on PYTHONPATH), or give a file: 'path/to/file.py:{kind}'."
         ) from err
 
 

@@ -22,6 +22,7 @@ import torch
 from lmppo.errors import LmppoError
 from lmppo.inputs.config import Config, LoraConfig, ModelSource, RewardConfig
 from lmppo.math.estimators import ESTIMATORS, EstimatorSpec
+from lmppo.user_code import load_function
 
 Trained = Literal["all", "lora", "head", "none"]  # what of a model the optimizer steps
 
@@ -622,8 +623,10 @@ def episode_token_limit(cfg: Config) -> int:
 
 
 def check_episodes(cfg: Config) -> None:
-    """What ``rollout.environment`` runs with: chat prompts (an environment's messages go through the chat
+    """What ``rollout.environment`` runs with: an environment that imports (before any model loads; its
+    module is imported once per process), chat prompts (an environment's messages go through the chat
     template), and room for a turn in the episode's budget."""
+    load_function(cfg.rollout.environment, "rollout.environment", kind="Class")
     if cfg.data.raw_prompts:
         raise LmppoError(
             "rollout.environment plays episodes on chat prompts (an environment's messages go through the chat "

@@ -61,6 +61,7 @@ def train(
     *,
     overrides: Sequence[str] = (),
     reward: RewardFunction | None = None,
+    environment: type | None = None,
     prompts: Sequence[Prompt | dict[str, Any]] | None = None,
     eval_prompts: Sequence[Prompt | dict[str, Any]] | None = None,
     on_step: StepCallback | None = None,
@@ -72,7 +73,9 @@ def train(
 
     ``config``: a YAML path, a dict of sections or a :class:`~lmppo.inputs.config.Config`; ``overrides`` as on
     the command line (``"ppo.lr=3e-6"``). ``reward``: a function ``(prompts, responses) -> one float per
-    row`` used as ``reward.function`` (it replaces the config's reward). ``prompts`` and ``eval_prompts``:
+    row`` used as ``reward.function`` (it replaces the config's reward). ``environment``: an environment
+    class (``reset(row, seed)`` and ``step(text)``, docs/multiturn.md) used as ``rollout.environment``; the
+    config's ``rollout.environment`` may be the class itself too. ``prompts`` and ``eval_prompts``:
     the rows themselves (strings, message lists, or dicts with a ``prompt``/``messages`` column or the
     one ``data.prompt_key`` names) instead of files. ``on_step(step, metrics)`` is called on the main
     process after each PPO step (1, 2, ...) with its global metrics; the starting policy's record (step 0:
@@ -90,6 +93,10 @@ def train(
     if reward is not None:  # the function replaces whatever reward the config names
         kept = {k: v for k, v in raw.get("reward", {}).items() if k not in ("model", "components", "gate")}
         raw["reward"] = {**kept, "function": python_function_spec(reward)}
+    rollout = raw.setdefault("rollout", {})
+    environment = environment or rollout.get("environment")
+    if isinstance(environment, type):  # recorded as python:NAME, as a reward function is
+        rollout["environment"] = python_function_spec(environment)
     data = raw.setdefault("data", {})
     if prompts is not None:
         data["prompts"] = list(prompts)

@@ -99,7 +99,7 @@ class ToolEnvironment:
 
 def load_environment(spec: str) -> Callable[[], Environment]:
     """The environment class ``rollout.environment`` names, checked to have ``reset`` and ``step``."""
-    environment = load_function(spec, "rollout.environment")
+    environment = load_function(spec, "rollout.environment", kind="Class")
     if not isinstance(environment, type) or not all(
         callable(getattr(environment, name, None)) for name in ("reset", "step")
     ):
