@@ -326,3 +326,16 @@ def test_bench_reward_server_loads_one_server_and_checks_every_answer(tmp_path):
     assert all(p["errors"] == 0 and p["requests_per_s"] > 0 for p in report["phases"].values())
     assert all(p["exact_answers"] == 1.0 for p in report["phases"].values())  # whole requests, alone-grouped
     assert report["server_peak_rss_mb"] > 0
+
+
+@pytest.mark.slow
+def test_bench_environments_times_the_tool_serial_and_concurrent(tmp_path):
+    out = tmp_path / "runs.jsonl"
+    args = ["--latency", "0.05", "--episodes", "4", "--turns", "2", "--steps", "1", "--out", str(out)]
+    report = run_bench(BENCH.parent / "bench_environments.py", *args)
+    assert json.loads(out.read_text()) == report and report["date"] and "cpu_flags" in report
+    rows = report["results"]
+    assert {"in-process sleep, serial", "in-process sleep, concurrent"} <= set(rows)
+    # 4 episodes x 2 steps of 0.05 s: 0.4 s one after another; together, 2 waits of 0.05 s
+    assert rows["in-process sleep, serial"]["environment_s"] >= 0.4
+    assert rows["in-process sleep, concurrent"]["environment_s"] < 0.4

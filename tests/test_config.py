@@ -4,6 +4,7 @@ import re
 
 import pytest
 import yaml
+from sample_environments import SPEC as ENVIRONMENT
 
 from lmppo.errors import LmppoError
 from lmppo.inputs.config import OTHER_TRAINERS_KEYS, Config, apply_override, load_config, validate_config
@@ -228,3 +229,17 @@ def test_the_python_api_can_name_its_overrides():
             overrides=["ppo.lr=-1"],
             overrides_from="lmppo.train",
         )
+
+
+def test_a_run_without_a_reward_source_takes_its_environment_s_turn_rewards_as_the_reward():
+    no_reward = {key: value for key, value in BASE.items() if key != "reward"}
+    with pytest.raises(
+        LmppoError, match=r"the run has no reward: set exactly one of reward\.model.*rollout\.environment"
+    ):
+        load_and_resolve(base=no_reward)
+    cfg = load_config(
+        base=no_reward, overrides=[f"rollout.environment={ENVIRONMENT}", "models.value.init_from=policy"]
+    )
+    resolve(cfg, device="cpu")
+    assert not cfg.reward.configured and cfg.reward.sources() == [] and not cfg.reward.learned
+    assert cfg.reward.score_name(episodes=True) == "environment reward"

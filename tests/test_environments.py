@@ -48,6 +48,19 @@ def test_a_bad_call_is_an_observation_not_a_crash(call, error):
     assert step.messages[0]["role"] == "tool" and error in step.messages[0]["content"]
 
 
+def test_a_call_opened_and_never_closed_is_a_failed_call_not_the_end():
+    step = stepped('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}')
+    assert not step.done and step.tool_calls == 1 and step.tool_failures == 1
+    assert step.messages == [
+        {
+            "role": "tool",
+            "content": "error: a <tool_call> was opened and never closed; end each call with </tool_call>",
+        }
+    ]
+    step = stepped('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> <tool_call>')
+    assert [m["content"] for m in step.messages][0] == "3" and step.tool_failures == 1
+
+
 def test_a_turn_without_a_call_ends_the_episode():
     assert stepped("The answer is 3.") == Step(done=True)
 

@@ -4,12 +4,22 @@ PPO contract over actions only, environments that break, and a PPO run that trai
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import torch
 import yaml
 from helpers import PROMPTS, ROLE_TEMPLATE, boost_token, role_tokenizer, run_cli, toy_models, toy_trainer
-from sample_environments import AnswerTwice
+from sample_environments import (
+    RELEASE,
+    AnswerTwice,
+    AsyncHangsOnPoems,
+    AsyncJittery,
+    HangsOnPoems,
+    Jittery,
+    Sleeps,
+)
 
 from lmppo.errors import LmppoError
 from lmppo.inputs.data import encode_chat, encode_context
@@ -19,6 +29,9 @@ from lmppo.sampling.environments import Step
 from lmppo.sampling.episodes import EpisodeGenerator
 from lmppo.sampling.hf_engine import hf_generator
 from lmppo.sampling.passes import response_logits
+from lmppo.toy import tools
+from lmppo.toy.models import build_policy
+from lmppo.toy.tokenizer import policy_template, tools_tokenizer
 from lmppo.training.advantages import advantages_of
 
 
@@ -39,15 +52,27 @@ class Scripted:
         return self.answers[self.turn - 1]
 
 
-def episodes(environment, *, model=None, max_turns=4, max_total_tokens=64, max_new_tokens=4):
-    """An episode engine on a tiny Llama; by default one that always ends its turn at once (EOS)."""
+def episodes(
+    environment,
+    *,
+    model=None,
+    max_turns=4,
+    max_total_tokens=64,
+    max_new_tokens=4,
+    chat_template=None,
+    **options,
+):
+    """An episode engine on a tiny Llama; by default one that always ends its turn at once (EOS). ``options``:
+    the environments' workers and timeout."""
     tok = role_tokenizer()
+    if chat_template is not None:
+        tok.chat_template = chat_template
     if model is None:
         torch.manual_seed(0)
         model = toy_models().policy
         model.resize_token_embeddings(len(tok))
         boost_token(model, tok.eos_token_id, 12.0)
-    generator = hf_generator(model, tok, max_new_tokens=max_new_tokens)
+    generator = hf_generator(model, tok, max_new_tokens=max_new_tokens, seed=3)  # as a run samples
     return EpisodeGenerator(
         generator.engine,
         generator.renderer,
@@ -56,6 +81,7 @@ def episodes(environment, *, model=None, max_turns=4, max_total_tokens=64, max_n
         max_turns=max_turns,
         max_total_tokens=max_total_tokens,
         seed=3,
+        **options,
     )
 
 
@@ -156,6 +182,11 @@ class Raises:
         raise KeyError("no such tool table")
 
 
+class AsyncRaises(Raises):
+    async def step(self, text):
+        raise KeyError("no such tool table")
+
+
 class Garbage(Raises):
     def step(self, text):
         return {"messages": [], "done": True}
@@ -169,6 +200,8 @@ class NeverEnds(Raises):
 def test_a_broken_environment_stops_with_a_message_naming_it():
     with pytest.raises(LmppoError, match=r"rollout.environment tests:Env \(step\) raised KeyError"):
         episodes(Raises).generate(["tell me"], 0)
+    with pytest.raises(LmppoError, match=r"rollout.environment tests:Env \(step\) raised KeyError"):
+        episodes(AsyncRaises).generate(["tell me"], 0)
     with pytest.raises(LmppoError, match=r"rollout.environment tests:Env: step returned dict, not a"):
         episodes(Garbage).generate(["tell me"], 0)
 
@@ -194,6 +227,145 @@ def test_a_template_that_rewrites_earlier_turns_cannot_hold_an_episode():
     no_eos = ROLE_TEMPLATE.replace("{{ eos_token }}", "")
     with pytest.raises(LmppoError, match="without the stop token '</s>'"):
         encode_context(tok, no_eos, [{"role": "user", "content": "hi"}], "a", "</s>", [], more_turns=True)
+
+
+def same_episodes(first, second) -> None:
+    """Two rollouts hold the same episodes: tokens, log-probs, masks, turn rewards, counts and ends."""
+    for name in ("query_ids", "response_ids", "response_mask", "logp_old", "terminated"):
+        assert torch.equal(getattr(first, name), getattr(second, name)), name
+    assert torch.equal(first.episode.context_mask, second.episode.context_mask)
+    assert torch.equal(first.episode.turn_rewards, second.episode.turn_rewards)
+    assert {k: v.tolist() for k, v in first.episode.counts.items()} == {
+        k: v.tolist() for k, v in second.episode.counts.items()
+    }
+    assert first.response_texts == second.response_texts
+    assert first.episode.transcripts == second.episode.transcripts
+
+
+def test_environments_called_together_give_the_serial_run_s_episodes():
+    """Calls that finish in a random order (their latency drawn from the system's entropy, not the seed),
+    plain ones on threads and async ones on the event loop: the answers are applied in episode order, so a
+    concurrent run holds exactly the episodes of a serial one."""
+    policy = toy_models().policy
+    boost_token(policy, role_tokenizer().eos_token_id, 3.0)  # short turns: episodes with several of them
+
+    def play(environment, **options):
+        return episodes(environment, model=policy, max_new_tokens=6, **options).generate(PROMPTS * 3, 0)
+
+    serial = play(Jittery, environment_workers=1)
+    assert (serial.episode.counts["turns"] > 1).any() and serial.episode.context_mask.sum() > 0
+    for environment in (Jittery, AsyncJittery, Jittery, AsyncJittery):
+        same_episodes(serial, play(environment))
+
+
+def test_the_wait_on_the_environments_is_the_wall_time_of_each_turn_s_calls():
+    """8 episodes x 2 steps of 0.1 s: 1.6 s one after another, 0.2 s all together, 0.4 s four at a time."""
+    serial = episodes(Sleeps, environment_workers=1).generate(PROMPTS * 2, 0)
+    assert serial.episode.environment_s >= 1.6
+    together = episodes(Sleeps).generate(PROMPTS * 2, 0)
+    assert together.episode.environment_s < 0.8
+    assert episodes(Sleeps, environment_workers=4).generate(PROMPTS * 2, 0).episode.environment_s >= 0.4
+    same_episodes(serial, together)
+
+
+@pytest.fixture
+def hanging():
+    """Calls of :class:`HangsOnPoems` hang during the test; released after it (they return to no one)."""
+    RELEASE.clear()
+    yield
+    RELEASE.set()
+
+
+@pytest.mark.parametrize("environment", [HangsOnPoems, AsyncHangsOnPoems])
+def test_a_step_past_the_timeout_truncates_its_episode_and_the_run_goes_on(hanging, environment):
+    generator = episodes(environment, environment_timeout_s=0.3)
+    started = time.perf_counter()
+    rollout = generator.generate(PROMPTS, 0)  # the poem's first step hangs
+    assert time.perf_counter() - started < 10  # the hung call is abandoned, never waited for
+    poem = PROMPTS.index("write a short poem")
+    counts = rollout.episode.counts
+    assert counts["timeouts"].tolist() == [int(i == poem) for i in range(4)]
+    assert counts["turns"].tolist() == [1 if i == poem else 2 for i in range(4)]
+    assert rollout.terminated.tolist() == [i != poem for i in range(4)]
+    # the poem's one turn is its action alone: no reward, no context, nothing after it
+    assert rollout.episode.turn_rewards[poem].sum() == 0 and rollout.episode.context_mask[poem].sum() == 0
+    assert 0.3 <= rollout.episode.environment_s < 3
+    rollout = generator.generate(PROMPTS, 0)  # again: the hung call holds no worker back
+    assert rollout.episode.counts["timeouts"].tolist() == [int(i == poem) for i in range(4)]
+    assert HangsOnPoems.calls_after_hanging == 0  # an environment that overran is never called again
+    if environment is HangsOnPoems:
+        assert any(t.name == "lmppo environment call" and t.is_alive() for t in threading.enumerate())
+    generator.close()
+
+
+def test_an_episode_whose_reset_overran_plays_no_turn_and_holds_only_the_pad_as_context(hanging):
+    prompts = ["tell me about the cat", "tell me a story", "the day was very happy", "the night was sad"]
+    generator = episodes(HangsOnPoems, environment_timeout_s=0.3)
+    rollout = generator.generate(prompts, 0)  # the night's reset hangs
+    night, counts = 3, rollout.episode.counts
+    assert counts["timeouts"].tolist() == [0, 0, 0, 1] and counts["turns"].tolist() == [2, 2, 2, 0]
+    assert rollout.response_mask[night].sum() == 1 and rollout.action_mask[night].sum() == 0
+    assert rollout.response_ids[night, 0] == generator.engine.pad_token_id and not rollout.terminated[night]
+    assert rollout.response_texts[night] == "" and rollout.action_mask[:night].sum() > 0
+    # no action: its score lands on no token (the loss, the KL and GAE read the actions only)
+    shaped = core.shaped_rewards(
+        torch.ones(4), torch.zeros(rollout.response_ids.shape), rollout.action_mask, 0.1
+    )
+    assert shaped[night].abs().sum() == 0 and torch.all(shaped[:night].sum(1) == 1)
+
+
+def test_a_turn_where_more_than_half_the_calls_overran_stops_the_run(hanging):
+    generator = episodes(HangsOnPoems, environment_timeout_s=0.3)
+    half = generator.generate(["write a short poem", "a poem", "tell me", "tell me a story"], 0)
+    assert half.episode.counts["timeouts"].tolist() == [1, 1, 0, 0]  # half: the run goes on
+    with pytest.raises(
+        LmppoError,
+        match=r"rollout.environment tests:Env: 2 of the 3 step calls of one turn ran past "
+        r"rollout.environment_timeout_s \(0.3 s\), so the run stops",
+    ):
+        generator.generate(["write a short poem", "a poem", "tell me"], 0)
+
+
+def test_a_tool_answer_on_a_template_without_a_tool_role_names_the_environment_and_the_fix():
+    """The toy policy template has no tool role: it raises on one, and the error says whose message it was
+    and how to send tool results as user messages."""
+    with pytest.raises(LmppoError) as caught:
+        episodes(Scripted, chat_template=policy_template()).generate(["tell me a story"], 0)
+    message = str(caught.value)
+    assert message.startswith("rollout.environment tests:Env answered with messages of role 'tool'")
+    assert "unknown chat role: tool" in message
+    assert (
+        'result_role = "user"' in message
+        and "lmppo.sampling.environments.ToolEnvironment.result_role" in message
+    )
+
+
+def test_the_toy_tools_world_plays_the_same_episodes_serial_and_concurrent():
+    """The calculator of ``lmppo quickstart --task tools`` with the tools world's policy leaning to calls:
+    a concurrent run is bit for bit the serial one (so are the quickstart's metrics)."""
+    tokenizer = tools_tokenizer(tools.tools_corpus(0))
+    policy = build_policy(tokenizer, seed=0)
+    boost_token(policy, tokenizer.convert_tokens_to_ids("<tool_call>"), 4.0)
+    policy.lm_head.bias.data[tokenizer.eos_token_id] = 3.0
+    rows = tools.prompts(8, seed=0, split="train")
+
+    def play(**options):
+        generator = hf_generator(policy, tokenizer, max_new_tokens=12, seed=0)
+        episodes = EpisodeGenerator(
+            generator.engine,
+            generator.renderer,
+            tools.Calculator,
+            name="lmppo.toy.tools:Calculator",
+            max_turns=4,
+            max_total_tokens=96,
+            seed=0,
+            **options,
+        )
+        return episodes.generate([row["prompt"] for row in rows], 0, rows=rows)
+
+    serial = play(environment_workers=1)
+    assert serial.episode.counts["tool_calls"].sum() > 0 and (serial.episode.counts["turns"] > 1).any()
+    same_episodes(serial, play())
 
 
 ENVIRONMENT_FILE = '''

@@ -2,6 +2,7 @@ import copy
 import io
 import json
 import math
+from unittest.mock import ANY
 
 import pytest
 import torch
@@ -10,7 +11,15 @@ from helpers import run_cli
 from rich.console import Console
 
 from lmppo.errors import LmppoError
-from lmppo.runs.evaluate import EvalResult, compare_policies, evaluate_policy, summary_table, win_rate
+from lmppo.runs.evaluate import (
+    EvalResult,
+    compare_policies,
+    evaluate_policy,
+    reward_text,
+    summary_columns,
+    summary_table,
+    win_rate,
+)
 
 PROMPTS = ["tell me a story", "write a poem", "tell me about the sun", "write a short story"] * 3
 DEMOS = [
@@ -223,3 +232,36 @@ def test_each_named_reward_component_is_evaluated_apart(policy_model, policy_tok
         words + 2.0
     )  # the weighted sum of the raw ones
     assert all(set(row["components"]) == {"words", "good"} for row in result.rows)
+
+
+def episode_result(final: float, turn: float) -> EvalResult:
+    """One held-out episode scored ``final`` by the run's reward and ``turn`` by its environment."""
+    row = {
+        "prompt": "p",
+        "response": "r",
+        "rm_score": final,
+        "turn_reward": turn,
+        "total_reward": final + turn,
+    }
+    metrics = {"eval/reward/rm_score": final, "eval/reward/turn": turn, "eval/reward/total": final + turn}
+    return EvalResult(metrics=metrics, rows=[{**row, "length": 3, "eos": True}])
+
+
+def test_an_episode_is_judged_and_shown_by_its_reward_the_final_score_plus_its_turn_rewards():
+    environment_only = {"start": episode_result(0.0, 0.0), "PPO": episode_result(0.0, 0.5)}
+    summary = compare_policies(environment_only, score="environment reward")
+    assert summary["policies"]["PPO"]["eval/win_rate"] == 1.0  # not a tie on the final score of 0
+    assert summary_columns(summary)[:2] == [
+        ("eval/reward/total", "environment reward"),
+        ("eval/win_rate", ANY),
+    ]
+    both = compare_policies(
+        {"start": episode_result(1.0, 0.5), "PPO": episode_result(0.5, 0.5)}, score="reward"
+    )
+    labels = [label for _, label in summary_columns(both)]
+    assert labels[:4] == ["reward", "final score", "turn reward", "win rate vs start (reward)"]
+    assert both["policies"]["PPO"]["eval/win_rate"] == 0.0
+    row = episode_result(1.0, 0.5).rows[0]
+    assert reward_text(row) == "reward 1.5 (final 1, turn 0.5)"
+    assert reward_text({**row, "rm_score": 0.0, "total_reward": 0.5}) == "reward 0.5"  # the turns' alone
+    assert reward_text({"rm_score": 0.25}) == "RM 0.25"  # no episode: as ever

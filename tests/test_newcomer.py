@@ -81,6 +81,59 @@ def test_the_first_hour_works_the_first_time_with_no_edit(run_files, tmp_path, m
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3]
 
 
+GUESS_ENVIRONMENT = """
+from lmppo.sampling.environments import Step
+
+
+class Guess:
+    \"\"\"The user thinks of the row's answer; the policy has guesses until it says it.\"\"\"
+
+    def reset(self, row, seed):
+        self.answer = row["answer"]
+
+    def step(self, text):
+        if self.answer in text.split():
+            return Step(reward=1.0, done=True)
+        return Step(messages=[{"role": "user", "content": "no , guess again ."}], reward=-0.1)
+"""
+
+
+def test_an_agent_users_first_hour_works_with_no_edit_and_no_reward_function(
+    run_files, tmp_path, monkeypatch, capsys
+):
+    """init --environment on 16 prompts, then plan, ppo, report, eval and resume: the environment's rewards are
+    the run's, shown on the step line, and the episode budget fits the policy's 128-token window."""
+    folder = newcomer(tmp_path, run_files)
+    (folder / "my_env.py").write_text(GUESS_ENVIRONMENT)
+    monkeypatch.chdir(folder)
+    assert init("--environment", "my_env.py:Guess") == 0
+    written = yaml.safe_load((folder / "my.yaml").read_text())
+    assert "reward" not in written and written["rollout"]["environment"].endswith("my_env.py:Guess")
+    assert written["rollout"]["max_total_tokens"] < 128 and written["rollout"]["max_turns"] >= 1
+    assert run_cli("plan", "my.yaml") == 0 and "fits" in capsys.readouterr().out
+    run_dir = folder / "runs" / "my_run"
+    assert run_cli("ppo", "my.yaml", "run.steps=2") == 0
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(steps) == 2 and steps[0].split()[2] == "reward" and float(steps[0].split()[3]) != 0
+    assert run_cli("report", str(run_dir)) == 0 and (run_dir / "report" / "index.html").is_file()
+    assert run_cli("eval", str(run_dir), "--prompts", str(folder / "prompts.jsonl")) == 0
+    assert run_cli("ppo", "--resume", str(run_dir), "run.steps=3") == 0
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3]
+    assert all(r["reward/turn"] != 0 for r in read_metrics(run_dir)[1:])
+
+
+def test_init_refuses_an_environment_that_fails_on_the_prompt_rows_writing_nothing(
+    run_files, tmp_path, monkeypatch, capsys
+):
+    folder = newcomer(tmp_path, run_files)
+    (folder / "my_env.py").write_text(GUESS_ENVIRONMENT.replace('row["answer"]', 'row["secret"]'))
+    monkeypatch.chdir(folder)
+    assert init("--environment", "my_env.py:Guess") == 2
+    err = capsys.readouterr().err
+    assert "KeyError" in err and "'secret'" in err and "reset it on the first 2 prompt rows" in err
+    assert not (folder / "my.yaml").exists()
+
+
 def reward_model(folder):
     """A reward model with its own tokenizer (another vocabulary than the policy's) and template."""
     tokenizer = build_tokenizer(

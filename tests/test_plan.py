@@ -21,6 +21,18 @@ def rows_by_role(plan):
     return {row.role: row for row in plan.models}
 
 
+def test_an_episode_budget_left_unset_is_refused_naming_the_two_keys_it_comes_from(run_files):
+    """init's 32 new tokens x the default 4 turns fill the toy's 128-token window: the error says the budget
+    was max_turns x max_new_tokens, not only the max_total_tokens the user never wrote."""
+    from lmppo.errors import LmppoError
+
+    environment = "rollout.environment=lmppo.sampling.environments:SingleTurn"
+    with pytest.raises(
+        LmppoError, match=r"(?s)max_total_tokens=128 leaves no room.*max_turns=4 x rollout.max_new"
+    ):
+        memory_plan(load_config(run_files, [environment, "rollout.max_new_tokens=32"]))
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

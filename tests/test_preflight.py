@@ -6,12 +6,21 @@ import json
 import pytest
 import torch
 from helpers import BASE, boost_token, run_cli, toy_models, write_config
+from rich.console import Console
 from sample_environments import SPEC as EPISODES
 
 from lmppo.inputs.config import ModelSource, load_config
 from lmppo.modeling.loading import load_tokenizer
 from lmppo.runs.diagnose import reward_bias
-from lmppo.runs.preflight import average_ranks, correlation, run_preflight, spearman, summarise
+from lmppo.runs.preflight import (
+    average_ranks,
+    correlation,
+    preflight_tables,
+    run_preflight,
+    spearman,
+    summarise,
+    summary_line,
+)
 
 PROMPTS = ["tell me about the cat", "write a short poem", "tell me a story", "the day was very happy"]
 
@@ -147,3 +156,34 @@ def test_check_rm_plays_episodes_on_fewer_prompts_than_its_batches_ask_for(run_f
     rollout = {"batch_size": 16, "max_new_tokens": 6, "environment": EPISODES, "max_turns": 2}
     assert run_cli("check-rm", str(write_config(run_files, rollout=rollout))) == 0
     assert "reward pre-flight on 16 samples" in capsys.readouterr().out
+
+
+def test_an_episode_is_scored_by_its_reward_and_shown_whole_with_its_context_apart():
+    transcript = [
+        {"text": "guess 3", "action": True},
+        {"text": "<user>higher</user>", "action": False},
+        {"text": "guess 7", "action": True},
+    ]
+    rows = [
+        {
+            "prompt": "p",
+            "response": "guess 7",  # the last turn alone
+            "episode": transcript,
+            "rm_score": 0.0,
+            "turn_reward": float(n),
+            "total_reward": float(n),
+            "length": 4 + n,
+            "eos": True,
+        }
+        for n in range(4)
+    ]
+    preflight = summarise(rows)
+    m = preflight.metrics
+    assert m["preflight/total_reward_mean"] == 1.5 and m["preflight/total_reward_std"] > 0
+    assert m["preflight/rm_score_mean"] == 0 and m["preflight/turn_reward_mean"] == 1.5
+    assert m["preflight/length_spearman"] == pytest.approx(1.0)  # defined: the score varies
+    assert "starting policy: reward 1.5 ± 1.12 (p10" in summary_line(preflight)
+    assert preflight.examples["highest"][0]["episode"] == transcript
+    console = Console(record=True, width=200)
+    console.print(preflight_tables(preflight)[-1])
+    assert "guess 3<user>higher</user>guess 7" in console.export_text()

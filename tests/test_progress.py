@@ -5,7 +5,7 @@ import re
 import threading
 import time
 
-from lmppo.progress import WIDTH, ProgressDisplay, advance, duration, phase
+from lmppo.progress import WIDTH, BatchLines, ProgressDisplay, advance, duration, phase
 
 STEP_METRICS = {
     "reward/rm_score": 0.5,
@@ -103,3 +103,30 @@ def test_a_supervised_stage_shows_its_epochs_and_steps_without_a_ppo_step_line(c
     with ProgressDisplay(0, quiet=True), phase("epoch 2/2"):  # a log file: a line per epoch
         advance("step", 21, 40)
     assert capsys.readouterr().out == "epoch 2/2\n"
+
+
+def test_in_an_episode_the_step_line_shows_the_reward_the_run_optimises_with_its_parts():
+    progress = ProgressDisplay(10, quiet=True, reward_label="rm")
+    episode = {**STEP_METRICS, "reward/turn": 0.25, "reward/total": 0.75}
+    assert progress.status_line(1, episode).startswith(
+        "step 1/10  reward 0.75 (final 0.5, turn 0.25)  kl 1.2"
+    )
+    environment_only = {**episode, "reward/rm_score": 0.0, "reward/total": 0.25}
+    assert progress.status_line(1, environment_only).startswith("step 1/10  reward 0.25  kl 1.2")
+    assert progress.status_line(1, STEP_METRICS).startswith(
+        "step 1/10  rm 0.5  kl 1.2"
+    )  # no episode: as ever
+
+
+def test_batch_lines_print_whatever_stdout_is_with_the_loss_and_an_eta(capsys):
+    lines = BatchLines("SFT", 40, every_s=3600.0)
+    for done in range(1, 41):
+        lines.batch(done, 1.0 / done)
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[0] for line in printed] == [
+        f"SFT: batch {k}/40" for k in (1, 4, 8, *range(12, 41, 4))
+    ]
+    assert re.fullmatch(r"SFT: batch 40/40  loss 0.025  \S+s elapsed  ETA 0s", printed[-1])
+    with ProgressDisplay(0, quiet=True), phase("epoch 1/1"):  # quiet: the stage, then the batches
+        BatchLines("SFT", 2).batch(1, 0.5)
+    assert capsys.readouterr().out.splitlines()[1].startswith("SFT: batch 1/2  loss 0.5  ")

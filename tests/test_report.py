@@ -8,7 +8,7 @@ import pytest
 
 from lmppo.errors import LmppoError
 from lmppo.runs.evaluate import EVAL_FILE, EvalResult, write_eval_json
-from lmppo.runs.report import CONFIG_FILE, _response_cell, report
+from lmppo.runs.report import CONFIG_FILE, Panel, _response_cell, report, score_curves
 from lmppo.training.metrics import MetricsLogger
 from lmppo.training.reward_modeling import RM_EVAL_FILE, write_rm_eval_json
 
@@ -229,3 +229,23 @@ def test_an_episode_shows_the_policys_turns_and_greys_the_context_between_them()
     cell = _response_cell(row)
     assert cell.startswith("&lt;tool_call&gt;{}&lt;/tool_call&gt;&lt;|im_end|&gt;<span class='context'>")
     assert "<span class='context'>\n&lt;|im_start|&gt;tool\n42" in cell and "</span>it is 42." in cell
+
+
+def test_an_episode_s_reward_is_what_the_report_plots_and_shows():
+    row = {"prompt": "p", "response": "b", "rm_score": 0.0, "turn_reward": 0.5, "total_reward": 0.5}
+    row["episode"] = [
+        {"text": "a", "action": True},
+        {"text": "ctx", "action": False},
+        {"text": "b", "action": True},
+    ]
+    assert _response_cell(row).endswith("<small>reward 0.5</small>")  # not "RM 0": the turns' alone
+    assert "<small>reward 1.5 (final 1, turn 0.5)</small>" in _response_cell(
+        {**row, "rm_score": 1.0, "total_reward": 1.5}
+    )
+    records = [{"step": 1, "reward/rm_score": 0.0, "reward/turn": 0.5, "reward/total": 0.5}]
+    _, panels = score_curves("environment reward", records)
+    assert panels[0].metrics == ("reward/total", "eval/reward/total") and "parts" not in panels[1].title
+    _, panels = score_curves("reward", [{**records[0], "reward/rm_score": 1.0, "reward/total": 1.5}])
+    assert panels[1].metrics == ("reward/rm_score", "reward/turn")
+    _, panels = score_curves("RM score", [{"step": 1, "reward/rm_score": 1.0}])  # no episode: as ever
+    assert panels[0] == Panel("RM score (training, held-out)", ("reward/rm_score", "eval/reward/rm_score"))

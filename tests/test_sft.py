@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 
 import pytest
@@ -171,3 +172,13 @@ def test_sft_policy_learns_the_toy_task(tok):
     demo_gold = statistics.mean(gold_score(d["prompt"], d["response"]) for d in data["sft_test"])
     assert rollout.terminated.float().mean() > 0.95
     assert demo_gold - 0.4 < gold < 2.5
+
+
+def test_sft_prints_progress_lines_when_stdout_is_no_terminal(tok, capsys):
+    """A long SFT redirected to a file shows its batches, loss and ETA (quickstart opens no display)."""
+    train_sft(
+        build_policy(tok, seed=0, hidden_size=32), tok, EXAMPLES * 4, epochs=2, lr=1e-3, batch_size=2, seed=0
+    )
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("SFT: batch")]
+    assert [line.split("  ")[0] for line in lines] == [f"SFT: batch {k}/8" for k in range(1, 9)]
+    assert all(re.search(r"  loss \d\S*  \S+ elapsed  ETA \S+$", line) for line in lines)

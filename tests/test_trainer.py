@@ -64,6 +64,7 @@ def test_first_update_sees_ratio_one_and_metrics_are_complete():
                 "bon/",  # best-of-n rounds only
                 "episode/",  # an environment's episodes only
                 "reward/turn",
+                "reward/total",
                 "perf/environment_s",
                 "sft/",
             )

@@ -5,7 +5,8 @@ Code anywhere says where the run is with :func:`phase` (a stage: "loading the po
 shows them live under the step line; written to a file or a scheduler's log (``--quiet``, or no terminal)
 it prints the stages before step 1 as lines and then a step line every few steps. With no display open
 (tests, other ranks, the library used on its own) a phase costs one function call. Only the main thread
-reports: with ``rollout.asynchronous`` a worker thread samples while the main thread updates.
+reports: with ``rollout.asynchronous`` a worker thread samples while the main thread updates. A supervised
+stage (SFT, reward-model training) prints :class:`BatchLines` whether a display is open or not.
 """
 
 from __future__ import annotations
@@ -52,6 +53,39 @@ def advance(what: str, done: int, total: int) -> None:
         display.count(what, done, total)
 
 
+class BatchLines:
+    """A supervised stage's progress as lines, whatever stdout is (a terminal, a file, a pipe): batch k/n,
+    the loss, the time so far and the ETA, at the first and the last batch, every tenth of the batches and
+    at least every ``every_s`` seconds between (a long SFT redirected to a file still shows it is alive).
+    With a display open they go through it (above its live lines)."""
+
+    def __init__(self, stage: str, total: int, every_s: float = 30.0) -> None:
+        self.stage, self.total, self.every_s = stage, total, every_s
+        self.every_batches = max(1, total // 10)
+        self._started = self._last_line = time.perf_counter()
+
+    def batch(self, done: int, loss: float) -> None:
+        """Batch ``done`` of ``total`` trained, with this ``loss``."""
+        advance("batch", done, self.total)
+        now = time.perf_counter()
+        if done in (1, self.total) or done % self.every_batches == 0 or now - self._last_line >= self.every_s:
+            self._last_line = now
+            _say(self.line(done, loss, now - self._started))
+
+    def line(self, done: int, loss: float, elapsed_s: float) -> str:
+        eta = duration(elapsed_s / done * (self.total - done))
+        done_of = f"{self.stage}: batch {done}/{self.total}"
+        return f"{done_of}  loss {_number(loss, 3)}  {duration(elapsed_s)} elapsed  ETA {eta}"
+
+
+def _say(line: str) -> None:
+    """A line on stdout, through the open display when there is one."""
+    if _display is None:
+        print(line, flush=True)
+    else:
+        _display.note(line)
+
+
 def _listening() -> ProgressDisplay | None:
     if _display is None or threading.current_thread() is not threading.main_thread():
         return None
@@ -76,7 +110,8 @@ def duration(seconds: float) -> str:
 
 
 class ProgressDisplay:
-    """The console of a run's main process: a step line (``reward/rm_score``, ``kl/ref``,
+    """The console of a run's main process: a step line (``reward/rm_score``, in an episode
+    ``reward/total``; ``kl/ref``,
     ``policy/clip_frac``, seconds per step, the ETA from the average step time so far) with the current
     stage under it, live on a terminal; plain lines when ``quiet`` (chosen automatically when stdout is not
     a terminal): every stage entered before step 1, then a step line every ``every`` steps (default: about
@@ -113,18 +148,24 @@ class ProgressDisplay:
     def status_line(self, step: int, metrics: Mapping[str, float]) -> str:
         average_s = (time.perf_counter() - self._started) / max(step - self.start_step, 1)
         step_s = metrics.get("perf/step_s", average_s)
-        shown = (
-            ("reward/rm_score", self.reward_label, 3),
-            ("kl/ref", "kl", 2),
-            ("policy/clip_frac", "clip", 2),
-        )
-        values = [
+        shown = (("kl/ref", "kl", 2), ("policy/clip_frac", "clip", 2))
+        values = self._reward(metrics) + [
             f"{label} {_number(metrics[name], digits)}" for name, label, digits in shown if name in metrics
         ]
         eta = duration(average_s * (self.total_steps - step))
         return "  ".join(
             [f"step {step}/{self.total_steps}", *values, f"{duration(step_s)}/step", f"ETA {eta}"]
         )
+
+    def _reward(self, metrics: Mapping[str, float]) -> list[str]:
+        """The reward: the score (``reward/rm_score``), or an episode's ``reward/total`` with its final and
+        turn parts beside it where both are non-zero (either alone is the total)."""
+        if "reward/total" not in metrics:
+            score = metrics.get("reward/rm_score")
+            return [] if score is None else [f"{self.reward_label} {_number(score, 3)}"]
+        total, final, turn = (metrics[f"reward/{name}"] for name in ("total", "rm_score", "turn"))
+        parts = f" (final {_number(final, 3)}, turn {_number(turn, 3)})" if final and turn else ""
+        return [f"reward {_number(total, 3)}{parts}"]
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self.enabled:

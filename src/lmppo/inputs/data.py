@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from jinja2 import TemplateError
 
-from lmppo.errors import LmppoError, read_from
+from lmppo.errors import LmppoError, console, read_from
 
 Prompt = str | list[dict[str, str]]  # plain user text, or a list of chat messages
 # what follows a prompt in a demonstration: one response, or an episode's messages (the assistant's turns
@@ -42,13 +42,25 @@ def check_chat_template(tokenizer, chat_template: str | None) -> None:
 
 
 def render_chat(
-    tokenizer, messages: list[dict[str, str]], chat_template: str | None, *, add_generation_prompt: bool
+    tokenizer,
+    messages: list[dict[str, str]],
+    chat_template: str | None,
+    *,
+    add_generation_prompt: bool,
+    tools: list[dict] | None = None,
 ) -> str:
-    """The text of a conversation under the chat template (``chat_template`` overrides the tokenizer's)."""
+    """The text of a conversation under the chat template (``chat_template`` overrides the tokenizer's),
+    with the ``tools`` schemas where the template renders them, else in the system message
+    (:func:`with_tools`)."""
     check_chat_template(tokenizer, chat_template)
+    messages, tools = with_tools(tokenizer, chat_template, messages, tools)
     try:
         return tokenizer.apply_chat_template(
-            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages,
+            chat_template=chat_template,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
         )
     except TemplateError as err:
         roles = [m.get("role") for m in messages]
@@ -58,15 +70,72 @@ def render_chat(
         ) from None
 
 
+def with_tools(
+    tokenizer, chat_template: str | None, messages: list[dict[str, str]], tools: list[dict] | None
+) -> tuple[list[dict[str, str]], list[dict] | None]:
+    """The messages and the ``tools=`` to render them with: as given where the template renders tools, else
+    the schemas and the call format in the system message (merged into the first one, or a new first one)."""
+    if not tools or renders_tools(tokenizer, chat_template):
+        return messages, tools
+    text = tools_system_text(tools)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]], None
+    return [{"role": "system", "content": text}, *messages], None
+
+
+def tools_system_text(tools: list[dict]) -> str:
+    """The tools and the Hermes call format, for a template that does not render ``tools=``."""
+    listed = "\n".join(json.dumps(tool) for tool in tools)
+    return (
+        "You may call the functions below to help with the user's request.\n"
+        f"<tools>\n{listed}\n</tools>\n"
+        'To call one, write <tool_call>{"name": <function name>, "arguments": <arguments as a JSON object>}'
+        "</tool_call>; its result comes back in the next message."
+    )
+
+
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "probe", "description": "probe", "parameters": {"type": "object", "properties": {}}},
+}
+_RENDERS_TOOLS: dict[str, bool] = {}  # by template text: whether it renders tools=
+
+
+def renders_tools(tokenizer, chat_template: str | None) -> bool:
+    """Whether the template writes ``tools=`` into its text (one that ignores them renders the same without);
+    a template found not to is noted once, as the schemas then go in the system message."""
+    template = str(chat_template or tokenizer.chat_template)
+    if template not in _RENDERS_TOOLS:
+        probe = [{"role": "user", "content": "hi"}]
+        texts = [
+            tokenizer.apply_chat_template(probe, chat_template=chat_template, tools=tools, tokenize=False)
+            for tools in ([_PROBE_TOOL], None)
+        ]
+        _RENDERS_TOOLS[template] = texts[0] != texts[1]
+        if not _RENDERS_TOOLS[template]:
+            name = getattr(tokenizer, "name_or_path", "") or "the policy"
+            console(stderr=True).print(
+                f"note: the chat template of {name} does not render tools=; the tool schemas and the "
+                "<tool_call> format go in the system message instead",
+                highlight=False,
+            )
+    return _RENDERS_TOOLS[template]
+
+
 def encode_chat(
-    tokenizer, messages: list[dict[str, str]], chat_template: str | None, *, add_generation_prompt: bool
+    tokenizer,
+    messages: list[dict[str, str]],
+    chat_template: str | None,
+    *,
+    add_generation_prompt: bool,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Token ids of a conversation in which only the template makes control tokens (:func:`encode_rendered`)."""
     return encode_rendered(
         tokenizer,
         messages,
         lambda shown: render_chat(
-            tokenizer, shown, chat_template, add_generation_prompt=add_generation_prompt
+            tokenizer, shown, chat_template, add_generation_prompt=add_generation_prompt, tools=tools
         ),
     )
 
@@ -117,22 +186,25 @@ def encode_context(
     inserted: list[dict[str, str]],
     *,
     more_turns: bool,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Token ids of the context that follows a policy's turn in an episode: what the chat template writes
     after the turn's stop token, the ``inserted`` messages (an environment's), and the next generation
     prompt when ``more_turns``. ``history``: the conversation before the turn; ``turn``: the turn's text,
-    whose own tokens (``stop_text`` last) are the sampled ones, never re-tokenised.
+    whose own tokens (``stop_text`` last) are the sampled ones, never re-tokenised; ``tools``: the schemas
+    every rendering of the episode carries.
 
     The context is the difference between the conversation rendered with and without it, so the template
     must extend a conversation by appending to its text; one that rewrites earlier turns (drops a reasoning
     block, moves a date) cannot hold an episode, and the error says so.
     """
-    before = render_chat(tokenizer, history, chat_template, add_generation_prompt=True)
+    before = render_chat(tokenizer, history, chat_template, add_generation_prompt=True, tools=tools)
     ended = render_chat(
         tokenizer,
         [*history, {"role": "assistant", "content": turn}],
         chat_template,
         add_generation_prompt=False,
+        tools=tools,
     )
     rendered_turn = _extension(before, ended, "an assistant turn")
     if stop_text not in rendered_turn:
@@ -145,7 +217,9 @@ def encode_context(
 
     def render(shown: list[dict[str, str]]) -> str:
         conversation = [*history, {"role": "assistant", "content": turn}, *shown]
-        text = render_chat(tokenizer, conversation, chat_template, add_generation_prompt=more_turns)
+        text = render_chat(
+            tokenizer, conversation, chat_template, add_generation_prompt=more_turns, tools=tools
+        )
         return glue + _extension(ended, text, "the environment's messages")
 
     return encode_rendered(tokenizer, inserted, render)
@@ -171,12 +245,15 @@ def _special_token_texts(tokenizer) -> set[str]:
     return {*tokenizer.all_special_tokens, *(t.content for t in added.values() if t.special)}
 
 
-def render_query_ids(tokenizer, prompt: Prompt, chat_template: str | None = None) -> list[int]:
-    """Token ids of a prompt as the policy sees it: its chat template with ``add_generation_prompt=True``.
+def render_query_ids(
+    tokenizer, prompt: Prompt, chat_template: str | None = None, *, tools: list[dict] | None = None
+) -> list[int]:
+    """Token ids of a prompt as the policy sees it: its chat template with ``add_generation_prompt=True``
+    (and the run's ``tools`` schemas).
 
     Rollouts and SFT both render with this, so the policy is trained and sampled on the same tokens.
     """
-    return encode_chat(tokenizer, as_messages(prompt), chat_template, add_generation_prompt=True)
+    return encode_chat(tokenizer, as_messages(prompt), chat_template, add_generation_prompt=True, tools=tools)
 
 
 ROLES = ("system", "user", "assistant")

@@ -13,14 +13,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from lmppo.errors import LmppoError
 from lmppo.inputs.config import Config, LoraConfig, ModelSource, RewardConfig
+from lmppo.inputs.config.reward import NO_SINGLE_SOURCE
 from lmppo.math.estimators import ESTIMATORS, EstimatorSpec
 from lmppo.user_code import load_function
 
@@ -85,7 +87,7 @@ class EngineSpec:
     weight_sync: str  # rollout.vllm_weight_sync: "merged" or "lora"
     values_from_decode: bool  # a shared-trunk critic's values read off the decode loop's hidden states
     bootstrap_values: bool  # the decode loop also values the state after a truncated row's last token
-    environment: str | None  # rollout.environment: episodes of several turns, or one response per prompt
+    environment: str | None  # what plays episodes of several turns (episode_environment); None: one response
     max_episode_tokens: int  # the tokens after the prompt a rollout row may hold (all of an episode's turns)
 
 
@@ -198,7 +200,8 @@ def resolve_engine(cfg: Config, estimator: EstimatorSpec, device: torch.device, 
     (under FSDP2 the head is sharded with the trunk, so the trainer's gathered values pass stays)."""
     r = cfg.rollout
     vllm, shared_critic = r.engine == "vllm", estimator.critic and cfg.models.value.mode == "shared"
-    episodes = r.environment is not None
+    environment = episode_environment(cfg)
+    episodes = environment is not None
     return EngineSpec(
         kind=r.engine,
         asynchronous=r.asynchronous,
@@ -210,7 +213,7 @@ def resolve_engine(cfg: Config, estimator: EstimatorSpec, device: torch.device, 
         # an episode's turns are sampled one by one: its values come from the stored pass over all of it
         values_from_decode=shared_critic and not sharded and not vllm and not r.asynchronous and not episodes,
         bootstrap_values=estimator.bootstrap_truncated,  # terminal: the estimator zeroes it anyway
-        environment=r.environment,
+        environment=environment,
         max_episode_tokens=episode_token_limit(cfg),
     )
 
@@ -407,10 +410,20 @@ def saved_critic_mode(path: Path) -> str | None:
 def check_sections(cfg: Config) -> None:
     """The checks across sections that read the config alone (no device, ranks or files): :func:`resolve`
     makes them first, and the quickstart before its first stage trains."""
+    check_reward_source(cfg)
     check_missing_eos_penalty(cfg)
     check_sharded_checkpoints(cfg)
     check_weight_sync(cfg)
     check_estimator(cfg)
+
+
+def check_reward_source(cfg: Config) -> None:
+    """A run needs a reward: a reward source, or an environment (or tools) whose turn rewards are all of it."""
+    if not cfg.reward.configured and not (cfg.rollout.environment or cfg.rollout.tools):
+        raise LmppoError(
+            f"the run has no reward: {NO_SINGLE_SOURCE}; or set rollout.environment (or rollout.tools) when "
+            "the environment's turn rewards are the whole reward"
+        )
 
 
 def check_missing_eos_penalty(cfg: Config) -> None:
@@ -597,7 +610,7 @@ def check_engine(cfg: Config) -> None:
             "rollout.asynchronous overlaps sampling with a PPO update; best-of-n fine-tunes on each round's "
             "winners before sampling again, so it has nothing to overlap; remove the key"
         )
-    if cfg.rollout.environment is not None:
+    if episode_environment(cfg) is not None:
         check_episodes(cfg)
     limit = episode_token_limit(cfg)
     if cfg.reward.overlong_buffer is not None and cfg.reward.overlong_buffer > limit:
@@ -614,29 +627,82 @@ def check_engine(cfg: Config) -> None:
         )
 
 
+TOOL_ENVIRONMENT = "lmppo.sampling.environments:ToolEnvironment"  # what answers rollout.tools alone
+MCP_PREFIXES = ("mcp:", "http://", "https://")  # a rollout.tools spec naming an MCP server
+
+
+def episode_environment(cfg: Config) -> str | None:
+    """The environment class that plays a run's episodes: ``rollout.environment``, else a ToolEnvironment
+    answering ``rollout.tools``; None: one response per prompt."""
+    return cfg.rollout.environment or (TOOL_ENVIRONMENT if cfg.rollout.tools else None)
+
+
 def episode_token_limit(cfg: Config) -> int:
     """The tokens after the prompt a rollout row may hold: a response's, or all of an episode's turns."""
     r = cfg.rollout
-    if r.environment is None:
+    if episode_environment(cfg) is None:
         return r.max_new_tokens
     return r.max_total_tokens or r.max_turns * r.max_new_tokens
 
 
 def check_episodes(cfg: Config) -> None:
-    """What ``rollout.environment`` runs with: an environment that imports (before any model loads; its
-    module is imported once per process), chat prompts (an environment's messages go through the chat
-    template), and room for a turn in the episode's budget."""
-    load_function(cfg.rollout.environment, "rollout.environment", kind="Class")
+    """What episodes (``rollout.environment``, ``rollout.tools``) run with: an environment and tool functions
+    that import (before any model loads; a module is imported once per process), chat prompts (an
+    environment's messages go through the chat template), and room for a turn in the episode's budget."""
+    if cfg.rollout.environment is not None:
+        load_function(cfg.rollout.environment, "rollout.environment", kind="Class")
+    check_tools(cfg)
     if cfg.data.raw_prompts:
+        key = "rollout.environment" if cfg.rollout.environment is not None else "rollout.tools"
         raise LmppoError(
-            "rollout.environment plays episodes on chat prompts (an environment's messages go through the chat "
-            "template; docs/multiturn.md); data.raw_prompts cannot run with it: remove one of the two"
+            f"{key} plays episodes on chat prompts (an environment's messages go through the chat template; "
+            "docs/multiturn.md); data.raw_prompts cannot run with it: remove one of the two"
         )
     if cfg.rollout.max_total_tokens is not None and cfg.rollout.max_total_tokens < cfg.rollout.max_new_tokens:
         raise LmppoError(
             f"rollout.max_total_tokens={cfg.rollout.max_total_tokens} is below rollout.max_new_tokens="
             f"{cfg.rollout.max_new_tokens}, so not even one turn fits; raise it or leave it unset"
         )
+
+
+def check_tools(cfg: Config) -> None:
+    """``rollout.tools``' Python functions load and make schemas with distinct names; MCP servers are checked
+    when the toolbox starts (before step 1), an environment's own tools when it is built."""
+    functions = [spec for spec in cfg.rollout.tools if not spec.startswith(MCP_PREFIXES)]
+    names: dict[str, str] = {}
+    for spec in functions:
+        name = tool_function(spec).schema["function"]["name"]
+        if name in names:
+            raise LmppoError(
+                f"rollout.tools: two tools are named {name!r}, from {names[name]!r} and {spec!r}; a call names "
+                "its tool, so names must differ: rename one or remove a spec"
+            )
+        names[name] = spec
+
+
+@dataclass(frozen=True)
+class ToolFunction:
+    """A ``rollout.tools`` Python function and its JSON schema (what the chat template renders)."""
+
+    function: Callable[..., Any]
+    schema: dict
+
+
+def tool_function(spec: str) -> ToolFunction:
+    """The function ``spec`` names with the schema ``transformers.utils.get_json_schema`` makes of its type
+    hints and Google-style docstring; an error naming the spec and what to add when it cannot."""
+    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
+
+    function = load_function(spec, "rollout.tools")
+    try:
+        return ToolFunction(function, get_json_schema(function))
+    except (DocstringParsingException, TypeHintParsingException) as err:
+        raise LmppoError(
+            f"rollout.tools {spec!r}: its JSON schema cannot be made ({err}). A tool function needs a type "
+            "hint on every argument and a Google-style docstring: a summary line, then an 'Args:' section "
+            "with one 'name: description' line per argument (docs/multiturn.md)."
+        ) from None
 
 
 def check_compiler(cfg: Config, device: torch.device) -> None:

@@ -311,18 +311,29 @@ def init(
         None, "--reward-function", help="A reward function: module:function or file.py:function."
     ),
     reward_url: str | None = typer.Option(None, "--reward-url", help="A reward server (lmppo serve-rm)."),
+    environment: str | None = typer.Option(
+        None, "--environment", help="Episodes: an environment class, file.py:Class or module:Class."
+    ),
+    tools: list[str] = typer.Option(
+        [],
+        "--tools",
+        help="A tool the policy may call (repeat for more): file.py:function, module:function, "
+        "mcp:<server command> or an MCP server's URL.",
+    ),
     run_dir: str = typer.Option("runs/my_run", "--run-dir", help="The run's output directory."),
     device: str | None = typer.Option(
         None, "--device", help="Size for cpu or cuda (default: this machine's)."
     ),
     force: bool = typer.Option(False, "--force", help="Overwrite OUTPUT if it exists."),
 ) -> None:
-    """Write a commented starter config for your policy, reward and prompts, sized for this machine."""
+    """Write a commented starter config for your policy, reward and prompts (and environment or tools),
+    sized for this machine."""
     from lmppo.interface.starter import StarterAnswers, commented_yaml, sized_starter
 
     if output.exists() and not force:
         raise LmppoError(f"{output} exists; choose another path or pass --force to overwrite it")
-    if not (reward_model or reward_function or reward_url) and sys.stdin.isatty():
+    episodes = environment is not None or bool(tools)
+    if not (reward_model or reward_function or reward_url or episodes) and sys.stdin.isatty():
         reward_function = typer.prompt(
             "reward function (module:function or file.py:function; empty: a model)", ""
         )
@@ -335,6 +346,8 @@ def init(
         reward_url=reward_url,
         prompt_key=prompt_key,
         output_dir=run_dir,
+        environment=environment,
+        tools=tools,
     )
     starter = sized_starter(answers, device)
     output.write_text(commented_yaml(starter))

@@ -34,6 +34,8 @@ MAX_REMEDIES = 8  # the ladder has fewer rungs than this; a plan still too large
 # A step's prompts and the responses an optimizer step averages over, when the prompts allow
 BATCH_SIZE, MINIBATCH_SIZE = 32, 16
 PLACEHOLDER_RESPONSE = "I am not sure."  # what the reward is tried on: any text a policy could answer
+DEFAULT_TURNS = 4  # rollout.max_turns' default: an episode's turns when the context window has room
+MIN_EPISODE_TOKENS = 16  # fewer tokens than this after the longest prompt: no episode worth playing
 
 
 @dataclass
@@ -47,6 +49,12 @@ class StarterAnswers:
     reward_url: str | None = None
     prompt_key: str | None = None
     output_dir: str = "runs/my_run"
+    environment: str | None = None  # rollout.environment: episodes, each turn answered by it
+    tools: list[str] = field(default_factory=list)  # rollout.tools
+
+    @property
+    def episodes(self) -> bool:
+        return self.environment is not None or bool(self.tools)
 
 
 @dataclass
@@ -66,38 +74,63 @@ def starter_sections(answers: StarterAnswers, prompt_count: int) -> dict[str, An
     ``prompt_count`` prompts, and the settings a first run usually wants."""
     from lmppo.inputs.resolve import fitted_batches
 
-    sources = {"model": answers.reward_model, "function": answers.reward_function, "url": answers.reward_url}
-    named = {key: value for key, value in sources.items() if value}
-    if len(named) != 1:
-        raise LmppoError(
-            "name exactly one reward: --reward-model DIR (a learned reward model), --reward-function "
-            "module:function (or file.py:function), or --reward-url http://host:port/score (lmppo serve-rm)"
-        )
-    if answers.reward_model:
-        reward = {"model": {"path": absolute(answers.reward_model)}}
-    elif answers.reward_function:
-        reward = {"function": absolute_function(answers.reward_function)}
-    else:
-        reward = named
     sections = {
         "models": {
             "policy": {"path": absolute(answers.policy)},
             "value": {"init_from": _critic_backbone(answers)},
         },
-        "reward": reward,
+        "reward": _starter_reward(answers),
         "data": {"prompts": absolute(answers.prompts), "prompt_key": answers.prompt_key},
         "rollout": {
             "batch_size": BATCH_SIZE,
             "max_new_tokens": _response_budget(answers.policy),
             "temperature": 0.7,
+            **_episode_sections(answers),
         },
         "ppo": {"ppo_epochs": 2, "minibatch_size": MINIBATCH_SIZE, "lr": 1.0e-5, "target_approx_kl": 0.1},
         "kl": {"beta": 0.05},
         "run": {"steps": 200, "checkpoint_every": 20, "output_dir": str(Path(answers.output_dir).resolve())},
     }
+    if sections["reward"] is None:  # the environment's rewards alone: the config has no reward section
+        del sections["reward"]
     batch, minibatch = fitted_batches(validate_config(sections), prompt_count)
     sections["rollout"]["batch_size"], sections["ppo"]["minibatch_size"] = batch, minibatch
     return sections
+
+
+def _starter_reward(answers: StarterAnswers) -> dict[str, Any] | None:
+    """The one reward named; none when an environment (or tools) is named, whose rewards are then the run's."""
+    sources = {"model": answers.reward_model, "function": answers.reward_function, "url": answers.reward_url}
+    named = {key: value for key, value in sources.items() if value}
+    if len(named) > 1 or not (named or answers.episodes):
+        raise LmppoError(
+            "name exactly one reward: --reward-model DIR (a learned reward model), --reward-function "
+            "module:function (or file.py:function), or --reward-url http://host:port/score (lmppo serve-rm); "
+            "with --environment (or --tools) the reward may also be the environment's alone"
+        )
+    if answers.reward_model:
+        return {"model": {"path": absolute(answers.reward_model)}}
+    if answers.reward_function:
+        return {"function": absolute_function(answers.reward_function)}
+    return named or None
+
+
+def _episode_sections(answers: StarterAnswers) -> dict[str, Any]:
+    """``rollout.environment`` and ``rollout.tools`` as given, file paths made absolute (the episode budget
+    is sized later, once the prompts are rendered)."""
+    sections: dict[str, Any] = {}
+    if answers.environment:
+        sections["environment"] = absolute_function(answers.environment)
+    if answers.tools:
+        sections["tools"] = [_absolute_tool(tool) for tool in answers.tools]
+    return sections
+
+
+def _absolute_tool(spec: str) -> str:
+    """A tool's spec with a ``file.py`` made absolute; an MCP server's command or URL as given."""
+    if spec.startswith(("mcp:", "http://", "https://")):
+        return spec
+    return absolute_function(spec)
 
 
 def _critic_backbone(answers: StarterAnswers) -> str:
@@ -145,6 +178,8 @@ def check_reward(cfg: Config, prompts: list) -> None:
     from lmppo.modeling.loading import check_reward_model
     from lmppo.runs.build import load_reward_component
 
+    if not cfg.reward.sources():  # the environment's rewards alone
+        return
     source, role = cfg.reward.sources()[0], reward_roles(cfg.reward, "fp32")[0]
     if source.model is not None:
         check_reward_model(source.model)
@@ -161,6 +196,54 @@ def check_reward(cfg: Config, prompts: list) -> None:
         ) from None
 
 
+def episode_budget(cfg: Config, answers: StarterAnswers, prompts: list) -> dict[str, int]:
+    """The environment tried (:func:`check_environment`), then ``max_new_tokens``, ``max_turns`` and
+    ``max_total_tokens`` for episodes in the policy's context window: an episode takes what the longest
+    prompt leaves (rendered with the tools' schemas), at most ``DEFAULT_TURNS`` turns of the starter's new
+    tokens (fewer, or shorter turns, when the window is small)."""
+    from lmppo.inputs.data import render_query_ids
+    from lmppo.modeling.loading import load_model_config, load_tokenizer
+    from lmppo.runs.build import run_environment
+
+    tokenizer = load_tokenizer(answers.policy)
+    environment, tools = run_environment(cfg, tokenizer)
+    check_environment(cfg, environment, answers)
+    context = getattr(load_model_config(answers.policy), "max_position_embeddings", None) or 4096
+    longest = max(len(render_query_ids(tokenizer, prompt, tools=tools)) for prompt in prompts)
+    room = context - longest
+    if room < MIN_EPISODE_TOKENS:
+        raise LmppoError(
+            f"the longest prompt renders to {longest} tokens of the policy's {context}-token context window "
+            f"(tool schemas included), leaving {room} for an episode's turns; shorten the prompts (or use a "
+            "model with a longer window)"
+        )
+    new = min(cfg.rollout.max_new_tokens, room)
+    turns = max(1, min(DEFAULT_TURNS, room // new))
+    return {"max_new_tokens": new, "max_turns": turns, "max_total_tokens": min(room, DEFAULT_TURNS * new)}
+
+
+def check_environment(cfg: Config, environment: type, answers: StarterAnswers) -> None:
+    """Try the environment before the config is written: made and reset on the first two prompt rows."""
+    from lmppo.errors import user_code_error
+    from lmppo.inputs.data import load_prompt_rows
+    from lmppo.sampling.engines import sample_seed
+
+    rows = load_prompt_rows(answers.prompts)[:2]
+    for sample_id, row in enumerate(rows):
+        try:
+            environment().reset(dict(row), sample_seed(cfg.run.seed, sample_id))
+        except LmppoError as err:
+            raise with_context(err, _TRIED_ENVIRONMENT.format(len(rows))) from None
+        except Exception as err:
+            what = f"rollout.environment {cfg.rollout.environment or 'of rollout.tools'} (reset)"
+            raise with_context(user_code_error(what, err), _TRIED_ENVIRONMENT.format(len(rows))) from None
+
+
+_TRIED_ENVIRONMENT = (
+    "lmppo init made the environment and reset it on the first {} prompt rows; nothing was written"
+)
+
+
 def sized_starter(
     answers: StarterAnswers, device: str | None = None, available: int | None = None
 ) -> Starter:
@@ -171,6 +254,10 @@ def sized_starter(
 
     prompts = starter_prompts(answers)
     raw = starter_sections(answers, len(prompts))
+    if answers.episodes:
+        raw["rollout"].update(
+            episode_budget(validate_config(raw, source="the starter config"), answers, prompts)
+        )
     check_reward(validate_config(raw, source="the starter config"), prompts)
 
     def planned(change: str = ""):

@@ -179,6 +179,12 @@ class ProgrammaticReward:
         return scores
 
 
+def no_reward(prompts: Sequence[Prompt], responses: Sequence[str]) -> torch.Tensor:
+    """The final reward of a run with no reward source: 0 for every row (its environment's turn rewards are
+    the whole reward)."""
+    return torch.zeros(len(responses))
+
+
 def load_reward_function(spec: str) -> ProgrammaticReward:
     """A programmatic reward from ``"package.module:function"`` or ``"path/to/file.py:function"``."""
     return ProgrammaticReward(load_function(spec, "reward function"), spec)

@@ -5,6 +5,7 @@ engine with its sampling settings (:func:`generator_options`, shared by training
 
 from __future__ import annotations
 
+import atexit
 import copy
 import math
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from torch import nn
 from lmppo.errors import LmppoError
 from lmppo.inputs.config import Config, KLConfig, PPOConfig, RewardComponent, RewardConfig, RewardSource
 from lmppo.inputs.data import Prompt, PromptStream
-from lmppo.inputs.resolve import RoleSpec, RunSpec
+from lmppo.inputs.resolve import RoleSpec, RunSpec, episode_environment
 from lmppo.math import core
 from lmppo.modeling.compile import compile_layers
 from lmppo.modeling.distributed import CommCounter, data_parallel, shard_models
@@ -54,13 +55,15 @@ from lmppo.rewards.scoring import (
     ScoredComponent,
     ScoreTransform,
     load_reward_function,
+    no_reward,
 )
 from lmppo.sampling.engines import Generator
-from lmppo.sampling.environments import load_environment
+from lmppo.sampling.environments import load_environment, with_toolbox
 from lmppo.sampling.episodes import EpisodeGenerator
 from lmppo.sampling.hf_engine import hf_generator
 from lmppo.sampling.passes import PolicyAndValue
 from lmppo.sampling.responses import ResponseGenerator
+from lmppo.sampling.tools import Toolbox, open_toolbox
 from lmppo.training.base import Trainer, TrainerParts
 from lmppo.training.best_of_n import BestOfNTrainer
 from lmppo.training.trainer import PPOTrainer
@@ -140,7 +143,10 @@ def load_reward(
     reward_cfg: RewardConfig, roles: tuple[RoleSpec, ...], device: torch.device | str = "cpu"
 ) -> LoadedReward:
     """``reward.model`` or ``reward.function`` (one source), or every one of ``reward.components``, as
-    their ``roles`` (:func:`lmppo.inputs.resolve.reward_roles`) say."""
+    their ``roles`` (:func:`lmppo.inputs.resolve.reward_roles`) say; with no source, a final reward of 0."""
+    if not reward_cfg.configured:  # an environment's turn rewards are the whole reward
+        zero = ScoredComponent("reward", no_reward, transform=score_transform(reward_cfg), source="no reward")
+        return LoadedReward(CombinedReward([zero]), {"role": "reward", "function": None})
     named = bool(reward_cfg.components)
     loaded = [
         load_reward_component(source, role, device)
@@ -303,19 +309,64 @@ def policy_generator(cfg: Config, spec: RunSpec, policy: nn.Module, tokenizer) -
 
 
 def with_environment(cfg: Config, spec: RunSpec, generator: ResponseGenerator) -> Generator:
-    """``generator``'s engine playing ``rollout.environment``'s episodes, when the run has one (training, its
-    pre-flight and both evaluations sample alike)."""
+    """``generator``'s engine playing the run's episodes, when it has any (``rollout.environment``,
+    ``rollout.tools``; training, its pre-flight and both evaluations sample alike). With tools the renderer
+    renders their schemas and the environment answers them from the process's toolbox."""
     if spec.engine.environment is None:
         return generator
-    return EpisodeGenerator(
+    environment, generator.renderer.tools = run_environment(cfg, generator.renderer.tokenizer)
+    episodes = ToolEpisodes if cfg.rollout.tools else EpisodeGenerator
+    return episodes(
         generator.engine,
         generator.renderer,
-        load_environment(spec.engine.environment),
+        environment,
         name=spec.engine.environment,
         max_turns=cfg.rollout.max_turns,
         max_total_tokens=spec.engine.max_episode_tokens,
         seed=cfg.run.seed,
+        environment_workers=cfg.rollout.environment_workers,
+        environment_timeout_s=cfg.rollout.environment_timeout_s,
     )
+
+
+def run_environment(cfg: Config, tokenizer) -> tuple[type, list[dict] | None]:
+    """The environment class the run's episodes play (``rollout.environment``, or a ToolEnvironment for
+    ``rollout.tools`` alone) and the tool schemas its prompts render (None without ``rollout.tools``); calls
+    are read in the format ``tokenizer`` parses."""
+    environment = load_environment(episode_environment(cfg))
+    if not cfg.rollout.tools:
+        return environment, None
+    toolbox = process_toolbox(cfg.rollout.tools, cfg.rollout.environment_timeout_s)
+    return with_toolbox(environment, toolbox, tokenizer), toolbox.schemas()
+
+
+_TOOLBOXES: dict[tuple[tuple[str, ...], float], Toolbox] = {}  # one per process and rollout.tools
+
+
+def process_toolbox(specs: list[str], timeout_s: float) -> Toolbox:
+    """The toolbox of ``rollout.tools``, started once per process (its MCP servers checked then, before
+    step 1) and shared by every generator of the run, until :func:`close_toolboxes`."""
+    key = (tuple(specs), timeout_s)
+    if key not in _TOOLBOXES:
+        _TOOLBOXES[key] = open_toolbox(specs, timeout_s)
+    return _TOOLBOXES[key]
+
+
+def close_toolboxes() -> None:
+    """Close the toolboxes this process started (its MCP servers stop); a later generator starts anew."""
+    while _TOOLBOXES:
+        _TOOLBOXES.popitem()[1].close()
+
+
+atexit.register(close_toolboxes)  # a generator never closed (a pre-flight's) leaves no server behind
+
+
+class ToolEpisodes(EpisodeGenerator):
+    """Episodes answered from the process's toolbox, closed with the engine when the run ends."""
+
+    def close(self, abandon: bool = False) -> None:
+        super().close(abandon)
+        close_toolboxes()
 
 
 def configured_vllm(cfg: Config, spec: RunSpec, policy: nn.Module, tokenizer, *, dtype=None) -> Generator:

@@ -105,10 +105,16 @@ def _setting(mode: FailureMode, cfg: DiagnosisConfig) -> str:
     return f"diagnosis.{mode.warn.key}={_threshold(mode, cfg):g}"
 
 
+def training_score(records: Records) -> str:
+    """What the run optimised: with episodes the turn rewards plus the final score (``reward/total``), else the
+    reward's score."""
+    return "reward/total" if any("reward/total" in r for r in records) else TRAINING_SCORE
+
+
 def over_optimisation(records: Records, cfg: DiagnosisConfig) -> Finding | None:
     """The training reward (the combined score, or any one component of it) up while held-out quality is not;
     with no held-out evaluation at all, the KL past the level of reward hacking."""
-    if len(series(records, TRAINING_SCORE)) < cfg.min_steps:
+    if len(series(records, training_score(records))) < cfg.min_steps:
         return None
     judge, rm = HELD_OUT_SCORES
     metric = judge if series(records, judge) else rm
@@ -138,7 +144,7 @@ def _rising_reward(records: Records, cfg: DiagnosisConfig) -> tuple[str, float, 
     components = sorted(
         {key for r in records for key in r if key.startswith("reward/") and key.endswith("/raw")}
     )
-    for reward in (TRAINING_SCORE, *components):
+    for reward in (training_score(records), *components):
         points = series(records, reward)
         rise, spread = _rise(points, cfg.window)
         spread = spread or 1.0
@@ -174,7 +180,8 @@ def kl_explosion(records: Records, cfg: DiagnosisConfig) -> Finding | None:
 
 
 def reward_flat(records: Records, cfg: DiagnosisConfig) -> Finding | None:
-    reward, clip = series(records, TRAINING_SCORE), series(records, REWARD_FLAT.warn.metric)
+    score = training_score(records)
+    reward, clip = series(records, score), series(records, REWARD_FLAT.warn.metric)
     if len(reward) < cfg.min_steps or not clip:
         return None
     rise, noise = _rise(reward, cfg.window)
@@ -184,7 +191,7 @@ def reward_flat(records: Records, cfg: DiagnosisConfig) -> Finding | None:
     return _finding(
         REWARD_FLAT,
         (reward[0][0], reward[-1][0]),
-        f"{TRAINING_SCORE} moved by {rise:.3g} over {len(reward)} steps while {REWARD_FLAT.warn.metric} averaged "
+        f"{score} moved by {rise:.3g} over {len(reward)} steps while {REWARD_FLAT.warn.metric} averaged "
         f"{clip_mean:.4f} ({_setting(REWARD_FLAT, cfg)})",
     )
 

@@ -10,7 +10,8 @@ seeded with ``seed`` (common random numbers, so SFT and PPO face the same noise)
 Metrics are the training metrics' names under ``eval/`` (docs/metrics.md): ``eval/reward/rm_score``,
 ``eval/kl/ref`` (mean per-sequence sum of the k1 estimate), ``eval/response/length``,
 ``eval/response/eos_frac``; with ``reward.components``, ``eval/reward/<name>/raw`` per component; with
-episodes, ``eval/reward/turn`` (the environment's rewards) and ``eval/episode/{turns,tool_calls,
+episodes, ``eval/reward/turn`` (the environment's rewards), ``eval/reward/total`` (the reward: the score plus
+the turn rewards, what the table and the win rate judge by) and ``eval/episode/{turns,tool_calls,
 tool_failures}``; and
 ``eval/gold_score`` (when a gold judge is given), ``eval/demo_ppl``
 (perplexity of held-out demonstrations: the alignment tax) and, from :func:`compare_policies`,
@@ -27,6 +28,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.table import Table
@@ -60,13 +62,16 @@ ROW_METRICS = {
     "length": "eval/response/length",
     "eos": "eval/response/eos_frac",
     "turn_reward": "eval/reward/turn",  # an episode's: the environment's rewards summed
+    "total_reward": "eval/reward/total",  # an episode's: rm_score + turn_reward, what the run optimises
     "turns": "eval/episode/turns",
     "tool_calls": "eval/episode/tool_calls",
     "tool_failures": "eval/episode/tool_failures",
 }
 # (metric, column label) of the comparison table; "{baseline}", "{judge}" and "{score}" are filled in.
 SUMMARY_COLUMNS = (
-    ("eval/reward/rm_score", "{score}"),
+    ("eval/reward/total", "{score}"),
+    ("eval/reward/rm_score", "{final}"),
+    ("eval/reward/turn", "turn reward"),
     ("eval/gold_score", "gold score"),
     ("eval/win_rate", "win rate vs {baseline} ({judge})"),
     ("eval/kl/ref", "KL to ref"),
@@ -144,13 +149,19 @@ def evaluate_policy(
     if demonstrations is not None:
         with eval_mode(policy):
             nll = (
-                response_nll_sum(policy, tokenizer, demonstrations, batch_size)
+                response_nll_sum(policy, tokenizer, demonstrations, batch_size, **_rendering(generator))
                 if demonstrations
                 else (0.0, 0)
             )
         total, count = all_sum(torch.tensor(nll, dtype=torch.float64), group).tolist()
         metrics["eval/demo_ppl"] = math.exp(total / max(count, 1))
     return EvalResult(metrics=metrics, rows=rows, slices=_slice_means(rows) if slices is not None else {})
+
+
+def _rendering(generator: Generator) -> dict[str, Any]:
+    """How the generator renders prompts (its chat template, the run's tool schemas): the demonstrations'
+    perplexity is measured on the tokens the policy is sampled on."""
+    return {"chat_template": generator.renderer.chat_template, "tools": generator.renderer.tools}
 
 
 def run_evaluator(
@@ -238,6 +249,7 @@ def _measure(
     for i, transcript in enumerate(episode.transcripts if episode else ()):  # its turns and context
         rows[i]["episode"] = [{"text": text, "action": action} for text, action in transcript]
         rows[i]["turn_reward"] = float(episode.turn_rewards[i].sum())
+        rows[i]["total_reward"] = rows[i]["rm_score"] + rows[i]["turn_reward"]
         for name, counts in episode.counts.items():
             rows[i][name] = int(counts[i])
     if reference is not None:
@@ -307,8 +319,8 @@ def compare_policies(
 
     Every policy must have been evaluated on the same prompts in the same order. ``eval/win_rate`` of
     each non-baseline policy is against ``baseline`` (default: the first, e.g. SFT), judged by the gold
-    judge when every result has gold scores, else by the run's reward (``judge`` says which). ``score``
-    is that reward's name in the table: "RM score" for a reward model, "reward" for a function or a URL.
+    judge when every result has gold scores, else by the run's reward (``judge`` says which; an episode's
+    is its total). ``score`` is that reward's name in the table (:meth:`RewardConfig.score_name`).
     """
     if not results:
         raise ValueError("compare_policies needs at least one EvalResult")
@@ -326,17 +338,38 @@ def compare_policies(
             raise LmppoError(
                 f"cannot compare {name!r} with {baseline!r}: they were evaluated on different prompts"
             )
-        key = f"{judge}_score"
+        key = "gold_score" if judge == "gold" else reward_key(result.rows)
         policies[name]["eval/win_rate"] = win_rate([r[key] for r in result.rows], [r[key] for r in base.rows])
     return {"baseline": baseline, "judge": judge, "score": score, "policies": policies}
 
 
+def reward_key(rows: Sequence[dict]) -> str:
+    """The row field holding the reward: an episode's total, else the score."""
+    return "total_reward" if rows and "total_reward" in rows[0] else "rm_score"
+
+
+def reward_text(row: Mapping, score: str = "RM") -> str:
+    """A row's reward for people: ``RM 0.5`` (``score`` names it), or an episode's total with its final and
+    turn parts where both are non-zero (either alone is the total)."""
+    if "total_reward" not in row:
+        return f"{score} {row['rm_score']:.4g}"
+    final, turn = row["rm_score"], row["turn_reward"]
+    parts = f" (final {final:.4g}, turn {turn:.4g})" if final and turn else ""
+    return f"reward {row['total_reward']:.4g}{parts}"
+
+
 def summary_columns(summary: dict) -> list[tuple[str, str]]:
-    """(metric, label) of the columns at least one policy has a value for."""
-    present = {metric for values in summary["policies"].values() for metric in values}
+    """(metric, label) of the columns at least one policy has a value for; an episode's reward parts only
+    where both are non-zero for some policy (else one of them is the total)."""
+    policies = summary["policies"].values()
+    present = {metric for values in policies for metric in values}
+    parts = ("eval/reward/rm_score", "eval/reward/turn")
+    if "eval/reward/total" in present and not all(any(p.get(m) for p in policies) for m in parts):
+        present -= set(parts)
     score = summary.get("score", "RM score")  # an eval.json of before the reward's own words
     judge = "gold" if summary["judge"] == "gold" else score
-    names = {"baseline": summary["baseline"], "judge": judge, "score": score}
+    final = "final score" if "eval/reward/total" in present else score
+    names = {"baseline": summary["baseline"], "judge": judge, "score": score, "final": final}
     return [(metric, label.format(**names)) for metric, label in SUMMARY_COLUMNS if metric in present]
 
 
@@ -426,4 +459,5 @@ def evaluate_run(run_dir: str | Path, prompts_path: str | Path | None = None) ->
             )
     if engine is not None:
         engine.close()
-    return write_eval_json(run_dir, results, "start", "RM score" if cfg.reward.learned else "reward")
+    episodes = bool(cfg.rollout.environment or cfg.rollout.tools)
+    return write_eval_json(run_dir, results, "start", cfg.reward.score_name(episodes))

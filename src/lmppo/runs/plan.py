@@ -21,7 +21,7 @@ from rich.console import Group
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from lmppo.errors import LmppoError
+from lmppo.errors import LmppoError, with_context
 from lmppo.inputs.config import Config, ModelSource, load_config
 from lmppo.inputs.data import load_prompts, render_query_ids
 from lmppo.inputs.resolve import EngineSpec, RoleSpec, RunSpec, check_batches, frozen_sections, resolve
@@ -265,6 +265,19 @@ def conversion_bytes(spec: ModelSource) -> int:
     return sum(path.stat().st_size for path in weight_files(resolve_source(spec)))
 
 
+def _with_episode_default(err: LmppoError, cfg: Config) -> LmppoError:
+    """An episode budget the user never set comes from two keys: say which, so the fix is plain."""
+    r = cfg.rollout
+    if r.max_total_tokens is not None or not (r.environment or r.tools):
+        return err
+    return with_context(
+        err,
+        f"rollout.max_total_tokens is unset, so an episode may take rollout.max_turns={r.max_turns} x "
+        f"rollout.max_new_tokens={r.max_new_tokens} tokens: set rollout.max_total_tokens, or fewer turns or "
+        "new tokens (`lmppo init --environment` sizes them to the context window)",
+    )
+
+
 def model_rows(cfg: Config, spec: RunSpec) -> tuple[list[ModelRow], dict[str, Shape], int]:
     """The four models' rows (parameters, dtype, trained share, shards) as the spec makes them, the
     shapes of the policy, reward models and critic, and the largest conversion a load does
@@ -274,7 +287,10 @@ def model_rows(cfg: Config, spec: RunSpec) -> tuple[list[ModelRow], dict[str, Sh
     # is no OOM
     context = getattr(policy_config, "max_position_embeddings", None)
     budget = "rollout.max_total_tokens" if spec.engine.environment else "rollout.max_new_tokens"
-    prompt_room(context, spec.engine.max_episode_tokens, cfg.data.max_prompt_length, budget)
+    try:
+        prompt_room(context, spec.engine.max_episode_tokens, cfg.data.max_prompt_length, budget)
+    except LmppoError as err:
+        raise _with_episode_default(err, cfg) from None
     base = _meta_model(policy_config)
     quantized = quantized_count(base, spec.policy)
     policy = with_lora(base, spec.policy.lora)

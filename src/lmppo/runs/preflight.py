@@ -3,18 +3,21 @@
 "A scalar reward can carry length, position, and style bias" (the seeds), and PPO finds every one of
 them. So before any update a run samples ``diagnosis.preflight_batches`` batches of training prompts
 with the training decoding (in its own seeded RNG stream: training's draws stay as they were) and
-reads the reward's scores against what should not matter. Logged once, in the step-0 record:
+reads the reward's scores against what should not matter (in an episode, the score plus the environment's
+turn rewards: what the run optimises). Logged once, in the step-0 record:
 
 | metric | what |
 |---|---|
 | ``preflight/rm_score_mean``, ``_std``, ``_p10``, ``_p50``, ``_p90`` | the score distribution |
+| ``preflight/total_reward_*`` (the same five), ``preflight/turn_reward_mean`` | episodes: the reward's (score + turn rewards) |
 | ``preflight/length_spearman`` | Spearman correlation of the score with the response length |
 | ``preflight/eos_corr`` | correlation of the score with ending on EOS (absent when all or none do) |
 | ``preflight/eos_frac``, ``preflight/samples`` | share of samples ending on EOS; how many were scored |
 
 The ``reward_bias`` rule of :mod:`lmppo.runs.diagnose` judges the two correlations. ``preflight.json`` (this
 module writes it; the report reads it) adds the scores per slice (``data.slice_key``) and the highest
-and lowest scored samples. ``lmppo check-rm CONFIG`` runs the same pre-flight without training.
+and lowest scored samples (an episode's whole transcript). ``lmppo check-rm CONFIG`` runs the same pre-flight
+without training.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import torch
 from rich.table import Table
+from rich.text import Text
 
 from lmppo.inputs.data import Prompt, load_prompt_rows, load_prompts, prompt_slices
 from lmppo.inputs.resolve import resolve
@@ -34,7 +38,7 @@ from lmppo.modeling.loading import load_tokenizer
 from lmppo.modeling.models import autocast
 from lmppo.runs.build import generator_options, load_policy, load_reward, policy_generator
 from lmppo.runs.diagnose import Finding, reward_bias
-from lmppo.runs.evaluate import evaluate_policy
+from lmppo.runs.evaluate import evaluate_policy, reward_key
 
 PREFLIGHT_FILE = "preflight.json"
 N_EXAMPLES = 3  # highest and lowest scored samples kept for reading
@@ -43,7 +47,8 @@ N_EXAMPLES = 3  # highest and lowest scored samples kept for reading
 @dataclass
 class Preflight:
     """``metrics``: the preflight/* values; ``slices``: slice -> {"n", score statistics};
-    ``examples``: {"highest", "lowest"} scored samples (prompt, response, rm_score, length, eos)."""
+    ``examples``: {"highest", "lowest"} scored samples (prompt, response, rm_score, length, eos; an episode's
+    turn_reward, total_reward and transcript too)."""
 
     metrics: dict[str, float]
     slices: dict[str, dict[str, float]]
@@ -78,20 +83,24 @@ def spearman(x: torch.Tensor, y: torch.Tensor) -> float | None:
 
 
 def score_statistics(rows: Sequence[dict]) -> dict[str, float]:
-    """The preflight/* metrics of scored samples (rows with rm_score, length, eos)."""
-    scores = torch.tensor([float(row["rm_score"]) for row in rows], dtype=torch.float64)
+    """The preflight/* metrics of scored samples (rows with rm_score, length, eos): the distribution of the
+    reward (:func:`reward_key`: an episode's total, its parts' means beside it) and its correlations."""
+    key = reward_key(rows)
+    scores = torch.tensor([float(row[key]) for row in rows], dtype=torch.float64)
     lengths = torch.tensor([float(row["length"]) for row in rows], dtype=torch.float64)
     eos = torch.tensor([float(row["eos"]) for row in rows], dtype=torch.float64)
     p10, p50, p90 = torch.quantile(scores, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
     metrics = {
         "preflight/samples": float(len(rows)),
-        "preflight/rm_score_mean": scores.mean().item(),
-        "preflight/rm_score_std": scores.std(unbiased=False).item(),
-        "preflight/rm_score_p10": p10,
-        "preflight/rm_score_p50": p50,
-        "preflight/rm_score_p90": p90,
+        f"preflight/{key}_mean": scores.mean().item(),
+        f"preflight/{key}_std": scores.std(unbiased=False).item(),
+        f"preflight/{key}_p10": p10,
+        f"preflight/{key}_p50": p50,
+        f"preflight/{key}_p90": p90,
         "preflight/eos_frac": eos.mean().item(),
     }
+    for part in ("rm_score", "turn_reward") if key == "total_reward" else ():
+        metrics[f"preflight/{part}_mean"] = sum(float(row[part]) for row in rows) / len(rows)
     for name, value in (
         ("preflight/length_spearman", spearman(scores, lengths)),
         ("preflight/eos_corr", correlation(scores, eos)),  # point-biserial: a binary variable
@@ -110,19 +119,20 @@ def summarise(rows: Sequence[dict]) -> Preflight:
     slices = {
         name: {"n": len(members), **_slice_statistics(members)} for name, members in sorted(groups.items())
     }
-    ranked = sorted(rows, key=lambda row: row["rm_score"])
-    keep = ("prompt", "response", "rm_score", "length", "eos")
+    key = reward_key(rows)
+    ranked = sorted(rows, key=lambda row: row[key])
+    keep = ("prompt", "response", "rm_score", "turn_reward", "total_reward", "length", "eos", "episode")
     examples = {
-        "highest": [{k: row[k] for k in keep} for row in ranked[::-1][:N_EXAMPLES]],
-        "lowest": [{k: row[k] for k in keep} for row in ranked[:N_EXAMPLES]],
+        "highest": [{k: row[k] for k in keep if k in row} for row in ranked[::-1][:N_EXAMPLES]],
+        "lowest": [{k: row[k] for k in keep if k in row} for row in ranked[:N_EXAMPLES]],
     }
     return Preflight(score_statistics(rows), slices, examples)
 
 
 def _slice_statistics(rows: Sequence[dict]) -> dict[str, float]:
     """A slice's mean and spread of the score and its mean length (too few rows for correlations)."""
-    stats = score_statistics(rows)
-    scores = ("rm_score_mean", "rm_score_std", "eos_frac")
+    stats, key = score_statistics(rows), reward_key(rows)
+    scores = (f"{key}_mean", f"{key}_std", "eos_frac")
     return {
         **{key: stats[f"preflight/{key}"] for key in scores},
         "length_mean": sum(row["length"] for row in rows) / len(rows),
@@ -222,19 +232,29 @@ def preflight_tables(preflight: Preflight) -> list[Table]:
             by_slice.add_row(name, *(f"{values[c]:.4g}" for c in columns))
         tables.append(by_slice)
     samples = Table(title="highest and lowest scored samples")
-    for column in ("", "rm_score", "length", "eos", "response"):
-        samples.add_column(column, justify="right" if column in ("rm_score", "length") else "left")
+    key = reward_key([row for rows in preflight.examples.values() for row in rows])
+    for column in ("", key, "length", "eos", "response"):
+        samples.add_column(column, justify="right" if column in (key, "length") else "left")
     for which, rows in preflight.examples.items():
         for row in rows:
-            samples.add_row(
-                which, f"{row['rm_score']:.4g}", str(row["length"]), str(row["eos"]), row["response"]
-            )
+            samples.add_row(which, f"{row[key]:.4g}", str(row["length"]), str(row["eos"]), _response(row))
     return [*tables, samples]
+
+
+def _response(row: dict) -> str | Text:
+    """The response; an episode's whole transcript, the context between the policy's turns dimmed (as the
+    report greys it): its length counts every turn."""
+    if "episode" not in row:
+        return row["response"]
+    return Text.assemble(*((run["text"], "" if run["action"] else "dim") for run in row["episode"]))
 
 
 def summary_line(preflight: Preflight) -> str:
     """One line for the console: the score distribution and the two correlations."""
     m = preflight.metrics
+    key = "total_reward" if "preflight/total_reward_mean" in m else "rm_score"
+    final, turn = m.get("preflight/rm_score_mean"), m.get("preflight/turn_reward_mean")
+    parts = f" (final {final:.3g}, turn {turn:.3g})" if key == "total_reward" and final and turn else ""
     correlations = [
         f"{label} {m[name]:+.2f}"
         for name, label in (
@@ -244,7 +264,8 @@ def summary_line(preflight: Preflight) -> str:
         if name in m
     ]
     return (
-        f"reward pre-flight on {m['preflight/samples']:.0f} samples of the starting policy: score "
-        f"{m['preflight/rm_score_mean']:.3g} ± {m['preflight/rm_score_std']:.3g} (p10 {m['preflight/rm_score_p10']:.3g}, "
-        f"p90 {m['preflight/rm_score_p90']:.3g}); " + ", ".join(correlations or ["no correlation defined"])
+        f"reward pre-flight on {m['preflight/samples']:.0f} samples of the starting policy: "
+        f"{'reward' if key == 'total_reward' else 'score'} {m[f'preflight/{key}_mean']:.3g} ± "
+        f"{m[f'preflight/{key}_std']:.3g}{parts} (p10 {m[f'preflight/{key}_p10']:.3g}, "
+        f"p90 {m[f'preflight/{key}_p90']:.3g}); " + ", ".join(correlations or ["no correlation defined"])
     )

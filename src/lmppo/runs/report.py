@@ -11,7 +11,8 @@ Reads, from ``RUN_DIR``:
        "policies": {name: {"metrics": {"eval/...": float},
                            "slices":  {slice: {"n": int, "eval/...": float}},
                            "rows":    [{"prompt", "response", "rm_score", "length", "eos",
-                                        "gold_score"?, "kl_ref"?, "slice"?}, ...]}}}
+                                        "gold_score"?, "kl_ref"?, "slice"?, "turn_reward"?,
+                                        "total_reward"?, "episode"?}, ...]}}}
 
   ``summary`` is :func:`lmppo.runs.evaluate.compare_policies`; each policy is an ``EvalResult.to_dict()``,
   all evaluated on the same prompts in the same order (rows pair up by index);
@@ -43,7 +44,7 @@ from matplotlib.figure import Figure
 from lmppo.errors import LmppoError
 from lmppo.inputs.config import RewardConfig
 from lmppo.runs.diagnose import Finding, diagnose, run_thresholds
-from lmppo.runs.evaluate import EVAL_FILE, summary_columns
+from lmppo.runs.evaluate import EVAL_FILE, reward_text, summary_columns
 from lmppo.runs.preflight import PREFLIGHT_FILE
 from lmppo.training.metrics import METRICS_FILE, read_metrics
 from lmppo.training.reward_modeling import RM_EVAL_FILE
@@ -66,15 +67,21 @@ class Panel:
 SCORES = "scores"
 
 
-def score_curves(learned: bool) -> tuple[str, tuple[Panel, ...]]:
-    """The scores figure, in the words of the run's reward: a reward model's "RM score", else "reward"."""
-    score = "RM score" if learned else "reward"
+def score_curves(score: str, records: Sequence[dict]) -> tuple[str, tuple[Panel, ...]]:
+    """The scores figure, in the words of the run's reward (:meth:`RewardConfig.score_name`); in an episode
+    the reward is ``reward/total``, its parts in a panel of their own where both are non-zero."""
     caption = (
-        f"{'Reward model' if learned else 'Reward'} vs gold judge: the {score} rising while the gold score "
-        "stalls or falls is reward hacking."
+        f"{'Reward model' if score == 'RM score' else 'Reward'} vs gold judge: the {score} rising while the "
+        "gold score stalls or falls is reward hacking."
     )
+    if not _series(records, "reward/total")[0]:
+        reward = (Panel(f"{score} (training, held-out)", ("reward/rm_score", "eval/reward/rm_score")),)
+    else:
+        reward = (Panel(f"{score} (training, held-out)", ("reward/total", "eval/reward/total")),)
+        if all(any(_series(records, part)[1]) for part in ("reward/rm_score", "reward/turn")):
+            reward += (Panel("its parts: final score and turn rewards", ("reward/rm_score", "reward/turn")),)
     return caption, (
-        Panel(f"{score} (training, held-out)", ("reward/rm_score", "eval/reward/rm_score")),
+        *reward,
         Panel("gold score (hidden judge)", ("eval/gold_score",)),
         Panel("held-out demo perplexity (alignment tax)", ("eval/demo_ppl",)),
     )
@@ -156,12 +163,12 @@ def report(run_dir: str | Path, compare: Sequence[str | Path] = ()) -> Path:
     rm_eval = _read_json(run_dir / RM_EVAL_FILE)
     preflight = _read_json(run_dir / PREFLIGHT_FILE)
     config = run_dir / CONFIG_FILE
-    learned = _learned_reward(config)
+    score = _score_name(config)
     sections = [_diagnosis_section(diagnose(runs[0][1], run_thresholds(run_dir)))]
     if evaluation:
         sections.append(_evaluation_section(evaluation, out))
-    sections.append(_curves_section(runs, out, learned))
-    if _plot_overoptimisation(out / f"{OVEROPTIMISATION}.png", runs, learned):
+    sections.append(_curves_section(runs, out, score))
+    if _plot_overoptimisation(out / f"{OVEROPTIMISATION}.png", runs, score):
         caption = (
             "held-out scores against sqrt(KL to the reference) at each evaluation: under over-optimisation "
             "the judge's score rises, then falls while KL grows (Gao et al. 2022); the star is the best "
@@ -181,10 +188,15 @@ def report(run_dir: str | Path, compare: Sequence[str | Path] = ()) -> Path:
     return index
 
 
-def _learned_reward(config: Path) -> bool:
-    """Whether the run's reward is a reward model's (its ``config.yaml``; a run without one: assumed so)."""
-    section = (yaml.safe_load(config.read_text()) or {}).get("reward") if config.is_file() else None
-    return RewardConfig.model_validate(section).learned if section else True
+def _score_name(config: Path) -> str:
+    """The run's reward's name (:meth:`RewardConfig.score_name`, from its ``config.yaml``; a run without a
+    reward section there: a reward model's)."""
+    sections = (yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
+    if not sections.get("reward"):
+        return "RM score"
+    rollout = sections.get("rollout") or {}
+    reward = RewardConfig.model_validate(sections["reward"])
+    return reward.score_name(bool(rollout.get("environment") or rollout.get("tools")))
 
 
 def _load_runs(run_dirs: Sequence[Path]) -> list[tuple[str, list[dict]]]:
@@ -211,11 +223,11 @@ def _series(records: Sequence[dict], metric: str) -> tuple[list[int], list[float
 # --------------------------------------------------------------------------------------------------
 
 
-def _curves_section(runs: list[tuple[str, list[dict]]], out: Path, learned: bool) -> str:
+def _curves_section(runs: list[tuple[str, list[dict]]], out: Path, score: str) -> str:
     figures = [
         _figure_html(out / f"{name}.png", caption)
         for name, (caption, panels) in {
-            SCORES: score_curves(learned),
+            SCORES: score_curves(score, runs[0][1]),
             **CURVES,
             **_component_curves(runs[0][1]),
         }.items()
@@ -267,9 +279,9 @@ def _evaluation_section(evaluation: dict, out: Path) -> str:
 
 
 def _slices_html(policies: Mapping[str, dict], slice_names: list[str], out: Path) -> str:
-    """Grouped bars: each policy's mean gold and RM score per slice."""
+    """Grouped bars: each policy's mean gold score and reward (an episode's total) per slice."""
     bars = []
-    for metric in ("eval/gold_score", "eval/reward/rm_score"):
+    for metric in ("eval/gold_score", _held_out_reward([p["metrics"] for p in policies.values()])):
         series = {
             name: [p["slices"].get(s, {}).get(metric, math.nan) for s in slice_names]
             for name, p in policies.items()
@@ -292,10 +304,14 @@ def _samples_html(policies: Mapping[str, dict]) -> str:
     return heading + _table(["prompt", *names], rows, escape=False)
 
 
+def _held_out_reward(records: Sequence[Mapping]) -> str:
+    """The held-out reward's metric: an episode's total where the records have it, else the score."""
+    return "eval/reward/total" if any("eval/reward/total" in r for r in records) else "eval/reward/rm_score"
+
+
 def _response_cell(row: dict) -> str:
     gold = f", gold {_fmt(row['gold_score'])}" if "gold_score" in row else ""
-    scores = f"RM {_fmt(row['rm_score'])}{gold}"
-    return f"{_response_text(row)}<br><small>{scores}</small>"
+    return f"{_response_text(row)}<br><small>{_esc(reward_text(row))}{gold}</small>"
 
 
 def _response_text(row: dict) -> str:
@@ -399,12 +415,12 @@ def _plot_curves(path: Path, panels: Sequence[Panel], runs: list[tuple[str, list
     return True
 
 
-def _plot_overoptimisation(path: Path, runs: list[tuple[str, list[dict]]], learned: bool) -> bool:
+def _plot_overoptimisation(path: Path, runs: list[tuple[str, list[dict]]], score: str) -> bool:
     """Each held-out score against sqrt(eval/kl/ref), one colour per run, the best point starred;
     returns False (and writes nothing) when no run evaluated KL and a score together."""
     scores = (
         ("eval/gold_score", "held-out judge score"),
-        ("eval/reward/rm_score", f"held-out {'RM score' if learned else 'reward'}"),
+        (_held_out_reward([r for _, records in runs for r in records]), f"held-out {score}"),
     )
 
     def points(records, metric):

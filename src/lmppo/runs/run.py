@@ -540,8 +540,10 @@ class PPORun:
 
 def held_out_line(step: int, metrics: dict[str, float], reward_label: str) -> str:
     """The held-out scores of one evaluation, for the console."""
+    # with episodes the reward is the environment's turn rewards plus the final score (``reward/total``)
+    score = "eval/reward/total" if "eval/reward/total" in metrics else "eval/reward/rm_score"
     shown = (
-        ("eval/reward/rm_score", reward_label),
+        (score, reward_label),
         ("eval/gold_score", "gold"),
         ("eval/win_rate", "win rate"),
         ("eval/kl/ref", "kl"),

@@ -11,20 +11,19 @@ An environment is a plain Python class, named in the config like a reward functi
   whether the episode is done.
 
 :class:`SingleTurn` is one response and done: today's behaviour. :class:`ToolEnvironment` runs plain Python
-functions the policy calls by writing ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; a bad
-call is answered with an error message the policy reads, never a crash; a message with no call ends the
-episode. The loop that drives them is :mod:`lmppo.sampling.episodes`.
+functions the policy calls by writing ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (or the
+model's own format, with ``rollout.tools``: :mod:`lmppo.sampling.tools`); a bad call is answered with an
+error message the policy reads, never a crash; a message with no call ends the episode. The loop that drives them is :mod:`lmppo.sampling.episodes`.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from lmppo.errors import LmppoError
+from lmppo.sampling.tools import Toolbox, ToolCall, hermes_call, parse_tool_calls
 from lmppo.user_code import load_function
 
 
@@ -55,46 +54,80 @@ class SingleTurn:
         return Step(done=True)
 
 
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
 class ToolEnvironment:
     """Tools the policy calls in its text, answered as ``tool`` messages; a turn without a call ends the
     episode. Subclass it with ``tools = {"name": function}`` (keyword arguments from the call's
     ``arguments``); ``reset`` keeps the row as ``self.row`` for tools that read it. A call that does not
-    parse, names no known tool, has arguments the function refuses or raises is answered with the error
-    (a failed call), so the policy can learn to call well."""
+    parse (one never closed included), names no known tool, has arguments the function refuses or raises is
+    answered with the error (a failed call), so the policy can learn to call well.
+
+    With ``rollout.tools`` the run makes a subclass (:func:`with_toolbox`) that also answers the toolbox's
+    tools and reads calls in the model's own format when its tokenizer knows one."""
 
     tools: ClassVar[dict[str, Callable[..., Any]]] = {}
     result_role: ClassVar[str] = "tool"  # a template without a tool role: "user"
+    toolbox: ClassVar[Toolbox | None] = None  # rollout.tools, set by with_toolbox
+    tokenizer: ClassVar[Any] = None  # the policy's: the call format its response template parses
 
     def reset(self, row: dict[str, Any], seed: int) -> None:
         self.row, self.seed = row, seed
 
     def step(self, text: str) -> Step:
-        calls = TOOL_CALL.findall(text)
+        schemas = self.toolbox.schemas() if self.toolbox is not None else None
+        calls = parse_tool_calls(text, self.tokenizer, schemas)
         if not calls:
             return Step(done=True)
-        results = [self.call(body) for body in calls]
+        results = [self.answer(call) for call in calls]
         failures = sum(failed for _, failed in results)
         messages = [{"role": self.result_role, "content": answer} for answer, _ in results]
         return Step(messages=messages, tool_calls=len(calls), tool_failures=failures)
 
     def call(self, body: str) -> tuple[str, bool]:
-        """One call's answer and whether it failed."""
-        try:
-            call = json.loads(body)
-            name, arguments = call["name"], call.get("arguments", {})
-            if not isinstance(arguments, dict):
-                raise TypeError("arguments must be an object")
-        except (ValueError, KeyError, TypeError) as err:
-            return f'error: the call is not {{"name": ..., "arguments": {{...}}}} JSON ({err})', True
-        if name not in self.tools:
-            return f"error: no tool {name!r}; the tools are {sorted(self.tools)}", True
-        try:
-            return str(self.tools[name](**arguments)), False
-        except Exception as err:  # the policy's call was wrong: it reads the error, the run goes on
-            return f"error: {type(err).__name__}: {err}", True
+        """The answer to one Hermes call (the JSON between ``<tool_call>`` and ``</tool_call>``) and whether
+        it failed."""
+        return self.answer(hermes_call(body))
+
+    def answer(self, call: ToolCall) -> tuple[str, bool]:
+        """One call's answer and whether it failed: the class's own tools first, then the toolbox's."""
+        if call.error is not None:
+            return call.error, True
+        if call.name in self.tools:
+            try:
+                return str(self.tools[call.name](**call.arguments)), False
+            except Exception as err:  # the policy's call was wrong: it reads the error, the run goes on
+                return f"error: {type(err).__name__}: {err}", True
+        if self.toolbox is not None and call.name in self.toolbox.owners:
+            return self.toolbox.call(call.name, call.arguments)
+        names = sorted([*self.tools, *(self.toolbox.owners if self.toolbox is not None else ())])
+        return f"error: no tool {call.name!r}; the tools are {names}", True
+
+
+TOOL_ENVIRONMENT = "lmppo.sampling.environments:ToolEnvironment"  # what answers rollout.tools alone
+
+
+def check_answers_tools(environment: type) -> None:
+    """With ``rollout.tools``, ``rollout.environment`` must be a :class:`ToolEnvironment` (it answers the calls)."""
+    if not (isinstance(environment, type) and issubclass(environment, ToolEnvironment)):
+        raise LmppoError(
+            f"rollout.tools needs an environment that answers tool calls, and rollout.environment "
+            f"{environment.__name__} is not a lmppo.sampling.environments.ToolEnvironment: make it subclass "
+            "ToolEnvironment (its own tools dict is kept, rollout.tools' added), or remove rollout.environment "
+            "to let a plain ToolEnvironment answer rollout.tools"
+        )
+
+
+def with_toolbox(environment: type, toolbox: Toolbox, tokenizer) -> type[ToolEnvironment]:
+    """``environment`` (a :class:`ToolEnvironment` subclass, its own ``tools`` kept) also answering the
+    toolbox's tools, reading calls in the format ``tokenizer`` parses."""
+    check_answers_tools(environment)
+    both = sorted(set(environment.tools) & set(toolbox.owners))
+    if both:
+        raise LmppoError(
+            f"the tool(s) {both} are both in {environment.__name__}.tools and rollout.tools "
+            f"({', '.join(repr(toolbox.owners[name]) for name in both)}); a call names its tool, so rename "
+            "one of each pair or remove it"
+        )
+    return type(environment.__name__, (environment,), {"toolbox": toolbox, "tokenizer": tokenizer})
 
 
 def load_environment(spec: str) -> Callable[[], Environment]:

@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from lmppo.errors import LmppoError
-from lmppo.inputs.data import Prompt, check_chat_template, render_query_ids
+from lmppo.inputs.data import Prompt, check_chat_template, encode_context, render_query_ids
 
 
 def prompt_room(
@@ -42,7 +42,8 @@ class PromptRenderer:
     """Renders prompts with the tokenizer's own chat template (or ``chat_template``) and
     ``add_generation_prompt=True``; ``raw_prompts=True`` tokenises prompt strings as they are. A rendered
     prompt longer than ``max_prompt_length`` (:func:`prompt_room`: by default the ``context`` window minus
-    ``max_new_tokens``) is an error naming the row, unless ``truncate_prompts`` keeps its last tokens."""
+    ``max_new_tokens``) is an error naming the row, unless ``truncate_prompts`` keeps its last tokens.
+    ``tools``: the run's tool schemas (``rollout.tools``), in every rendering, an episode's context included."""
 
     def __init__(
         self,
@@ -55,6 +56,7 @@ class PromptRenderer:
         raw_prompts: bool = False,
         max_prompt_length: int | None = None,
         truncate_prompts: bool = False,
+        tools: list[dict] | None = None,
     ) -> None:
         if not raw_prompts:
             check_chat_template(tokenizer, chat_template)
@@ -64,7 +66,7 @@ class PromptRenderer:
             raw_prompts,
             truncate_prompts,
         )
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.tools = max_new_tokens, tools
         self.max_prompt_length = prompt_room(context, max_new_tokens, max_prompt_length)
 
     def render(self, prompt: Prompt) -> list[int]:
@@ -73,7 +75,23 @@ class PromptRenderer:
             if not isinstance(prompt, str):
                 raise LmppoError("raw_prompts needs plain-text prompts, got chat messages.")
             return self.tokenizer(prompt).input_ids
-        return render_query_ids(self.tokenizer, prompt, self.chat_template)
+        return render_query_ids(self.tokenizer, prompt, self.chat_template, tools=self.tools)
+
+    def context_ids(
+        self, history: list[dict[str, str]], turn: str, stop_text: str, inserted: list[dict[str, str]]
+    ) -> list[int]:
+        """Token ids of what follows an episode's ``turn`` up to the next generation prompt: the template's
+        end of the turn and the environment's ``inserted`` messages (:func:`encode_context`)."""
+        return encode_context(
+            self.tokenizer,
+            self.chat_template,
+            history,
+            turn,
+            stop_text,
+            inserted,
+            more_turns=True,
+            tools=self.tools,
+        )
 
     def query_ids(self, prompt: Prompt, where: str) -> list[int]:
         """The ids generation starts from: rendered, checked, cut to ``max_prompt_length`` if allowed.

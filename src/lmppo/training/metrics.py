@@ -73,9 +73,13 @@ METRIC_NAMES: dict[str, str] = {
     "episode/turns": "rollout.environment: mean turns of the policy per episode",
     "episode/tool_calls": "rollout.environment: mean tool calls per episode",
     "episode/tool_failures": "rollout.environment: mean tool calls per episode answered with an error",
+    "episode/timeouts": "rollout.environment: share of episodes truncated because an environment call ran past "
+    "rollout.environment_timeout_s",
     "episode/context_tokens": "rollout.environment: mean tokens per episode inserted between the policy's turns "
     "(tool output, template glue): in the sequence, never in the loss",
     "reward/turn": "rollout.environment: mean sum per episode of the environment's turn rewards",
+    "reward/total": "rollout.environment: mean reward per episode, reward/rm_score + reward/turn (what the "
+    "step line, report and eval call the reward)",
     "perf/environment_s": "rollout.environment: seconds the environments took to reset and step (in perf/rollout_s)",
     "health/nonfinite": "number of non-finite values seen in this step's losses, gradients and statistics",
     "health/nonfinite_updates": "updates skipped because a gradient was non-finite",
@@ -106,6 +110,8 @@ METRIC_NAMES: dict[str, str] = {
     "perf/forward_batch_tokens": "the stored passes' token budget per forward, as out-of-memory errors halved it (logged once halved)",
     "perf/micro_batch_tokens": "the update's token budget per micro-batch, as out-of-memory errors halved it (logged once halved)",
     "eval/reward/rm_score": "mean reward-model (or reward function) score on the held-out prompts",
+    "eval/reward/total": "rollout.environment: mean reward per held-out episode, its final score plus its turn "
+    "rewards",
     "eval/gold_score": "mean gold-judge score on the held-out prompts, where a judge exists",
     "eval/kl/ref": "mean per-sequence KL (k1) of the policy to the reference on held-out samples",
     "eval/demo_ppl": "perplexity of held-out demonstrations under the policy (the alignment tax)",

@@ -94,6 +94,7 @@ def train_reward_model(
         weight_decay=weight_decay,
         warmup_frac=warmup_frac,
         max_grad_norm=max_grad_norm,
+        stage="reward model",
     )
 
 

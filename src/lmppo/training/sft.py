@@ -25,6 +25,7 @@ from lmppo.inputs.data import (
 )
 from lmppo.modeling.loading import load_causal_lm, load_tokenizer
 from lmppo.modeling.lora import with_lora
+from lmppo.sampling.tools import tool_schemas
 from lmppo.training.supervised import fit, merged, pad, trained_parameter_count
 
 IGNORE = -100  # label of positions that carry no loss
@@ -35,15 +36,17 @@ def sft_features(
     prompt: Prompt,
     response: Continuation,
     chat_template: str | None = None,
+    tools: list[dict] | None = None,
 ) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of one demonstration: labels are -100 on the query, the ids on response + EOS; in
-    a demonstrated episode on each assistant turn + EOS, -100 on the context between turns."""
+    a demonstrated episode on each assistant turn + EOS, -100 on the context between turns. ``tools``: the
+    schemas the run renders (``rollout.tools``), so SFT sees what rollouts do."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise LmppoError("SFT: the tokenizer has no EOS token; set tokenizer.eos_token so responses can end")
     turns = [{"role": "assistant", "content": response}] if isinstance(response, str) else response
     history = as_messages(prompt)
-    ids = render_query_ids(tokenizer, prompt, chat_template)
+    ids = render_query_ids(tokenizer, prompt, chat_template, tools=tools)
     labels = [IGNORE] * len(ids)
     starts = [i for i, message in enumerate(turns) if message["role"] == "assistant"] + [len(turns)]
     for start, end in zip(starts, starts[1:]):
@@ -52,8 +55,9 @@ def sft_features(
         turn_ids = tokenizer(turn, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [eos]
         ids, labels = ids + turn_ids, labels + turn_ids
         if end < len(turns):  # another turn follows: the context up to its generation prompt
+            stop_text = tokenizer.decode([eos])
             context = encode_context(
-                tokenizer, chat_template, history, turn, tokenizer.decode([eos]), between, more_turns=True
+                tokenizer, chat_template, history, turn, stop_text, between, more_turns=True, tools=tools
             )
             ids, labels = ids + context, labels + [IGNORE] * len(context)
         history = [*history, turns[start], *between]
@@ -61,13 +65,18 @@ def sft_features(
 
 
 def sft_batch(
-    tokenizer: PreTrainedTokenizerBase, examples: Sequence[dict], chat_template: str | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    examples: Sequence[dict],
+    chat_template: str | None = None,
+    tools: list[dict] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Collate {"prompt", "response"} examples into input_ids, attention_mask and labels (right-padded).
 
     Labels come from the features, not from masking pad ids, so an EOS target survives when pad == EOS.
     """
-    features = [sft_features(tokenizer, ex["prompt"], ex["response"], chat_template) for ex in examples]
+    features = [
+        sft_features(tokenizer, ex["prompt"], ex["response"], chat_template, tools) for ex in examples
+    ]
     ids = [f[0] for f in features]
     # padded positions are masked out of attention and loss, so the fill id is never read
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -91,17 +100,19 @@ def train_sft(
     warmup_frac: float = 0.05,
     max_grad_norm: float = 1.0,
     chat_template: str | None = None,
+    tools: list[dict] | None = None,
 ) -> dict:
     """Train `model` in place on {"prompt", "response"} examples; it is left in eval mode.
 
-    `chat_template` overrides the tokenizer's, as the rollout generator's option does. Returns
+    `chat_template` overrides the tokenizer's, as the rollout generator's option does; `tools`: the schemas
+    of the PPO run this SFT prepares (its ``rollout.tools``), rendered as its rollouts render them. Returns
     {"loss": per-step mean response-token NLL, "steps", "tokens" (response tokens), "time_s"}.
     """
     if not examples:
         raise LmppoError("SFT: no demonstrations to train on; check the SFT data file")
 
     def batch_loss(chunk: list[dict]) -> tuple[torch.Tensor, dict[str, float]]:
-        batch = sft_batch(tokenizer, chunk, chat_template)
+        batch = sft_batch(tokenizer, chunk, chat_template, tools)
         loss = model(**batch).loss  # HF shifts labels and averages over the non -100 targets
         return loss, {"tokens": int((batch["labels"] != IGNORE).sum())}
 
@@ -116,6 +127,7 @@ def train_sft(
         weight_decay=weight_decay,
         warmup_frac=warmup_frac,
         max_grad_norm=max_grad_norm,
+        stage="SFT",
     )
     stats["tokens"] = sum(stats.pop("tokens", []))
     return stats
@@ -128,9 +140,10 @@ def response_nll(
     examples: Sequence[dict],
     batch_size: int = 64,
     chat_template: str | None = None,
+    tools: list[dict] | None = None,
 ) -> float:
     """Mean NLL per response token (EOS included) on held-out demonstrations; exp() is the perplexity."""
-    total, count = response_nll_sum(model, tokenizer, examples, batch_size, chat_template)
+    total, count = response_nll_sum(model, tokenizer, examples, batch_size, chat_template, tools)
     return total / max(count, 1)
 
 
@@ -140,11 +153,12 @@ def response_nll_sum(
     examples: Sequence[dict],
     batch_size: int = 64,
     chat_template: str | None = None,
+    tools: list[dict] | None = None,
 ) -> tuple[float, int]:
     """(summed NLL, response tokens) over ``examples``: what ranks add up for a global mean."""
     total, count = 0.0, 0
     for start in range(0, len(examples), batch_size):
-        batch = sft_batch(tokenizer, examples[start : start + batch_size], chat_template)
+        batch = sft_batch(tokenizer, examples[start : start + batch_size], chat_template, tools)
         n = int((batch["labels"][:, 1:] != IGNORE).sum())
         total += model(**batch).loss.item() * n
         count += n
@@ -157,6 +171,7 @@ def run_sft(cfg) -> dict:
     tokenizer = load_tokenizer(cfg.model)
     model = with_lora(load_causal_lm(cfg.model), cfg.lora)
     examples = [{"prompt": p, "response": r} for p, r in load_demonstrations(cfg.data)]
+    tools = tool_schemas(cfg.tools)
     stats = train_sft(
         model,
         tokenizer,
@@ -166,12 +181,15 @@ def run_sft(cfg) -> dict:
         batch_size=cfg.batch_size,
         seed=cfg.seed,
         chat_template=cfg.model.chat_template,
+        tools=tools,
     )
     stats["trained_parameters"] = trained_parameter_count(model)
     model = merged(model)  # what is evaluated is what is saved
     if cfg.eval_data:
         held_out = [{"prompt": p, "response": r} for p, r in load_demonstrations(cfg.eval_data)]
-        stats["eval_nll"] = response_nll(model, tokenizer, held_out)
+        stats["eval_nll"] = response_nll(
+            model, tokenizer, held_out, chat_template=cfg.model.chat_template, tools=tools
+        )
     model.save_pretrained(cfg.output_dir)
     tokenizer.save_pretrained(cfg.output_dir)
     return stats

@@ -96,7 +96,8 @@ def scored_metrics(
     scored: ScoredRollout, reward: RewardStage, tis_cap: float | None, group
 ) -> dict[str, float]:
     """The scoring side of a step, from its records: sequence-level quantities averaged over all ranks'
-    rows (the score used and each component's when ``reward.differs``), the rollout's age, the non-finite
+    rows (the score used and each component's when ``reward.differs``; in an episode, ``reward/total``: the
+    raw score plus the turn rewards, what the displays call the reward), the rollout's age, the non-finite
     count, the preprocessing's statistics and, under ``ppo.tis_cap``, the share of capped weights."""
     mask = scored.action_mask
     per_row = {
@@ -109,8 +110,9 @@ def scored_metrics(
     if reward.differs:
         per_row["reward/rm_score_used"] = scored.rm_score
         per_row.update(reward.component_rows)
-    if scored.episode is not None:  # an environment's episodes
+    if scored.episode is not None:  # an environment's episodes: the reward is the final score plus the turns'
         per_row |= episode_rows(scored.episode)
+        per_row["reward/total"] = reward.raw + per_row["reward/turn"].to(reward.raw.device)
     metrics = row_means(per_row, len(scored), mask.device, group)
     metrics["lag/rollout_age_s"] = time.time() - scored.created_at
     metrics["health/nonfinite"] = nonfinite_count(

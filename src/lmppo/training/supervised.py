@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
 from lmppo.errors import LmppoError
 from lmppo.modeling.models import trainable_parameters
-from lmppo.progress import advance, phase
+from lmppo.progress import BatchLines, phase
 
 
 def pad(rows: Sequence[Sequence[int]], value: int, side: str = "right") -> torch.Tensor:
@@ -76,10 +76,12 @@ def fit(
     weight_decay: float,
     warmup_frac: float,
     max_grad_norm: float,
+    stage: str,
 ) -> dict:
     """``epochs`` of shuffled batches of ``items``, one :class:`UpdateRule` step on each batch's loss.
 
     ``batch_loss(batch) -> (loss, extras)``. The model trains in train mode and is left in eval mode.
+    ``stage`` names the progress lines ("SFT", "reward model").
     Returns ``{"loss": per-step losses, <each extra>: per-step values, "steps", "time_s"}``.
     """
     total_steps = epochs * -(-len(items) // batch_size)
@@ -92,16 +94,17 @@ def fit(
         max_grad_norm=max_grad_norm,
     )
     rng, history, start = random.Random(seed), {"loss": []}, time.perf_counter()
+    lines = BatchLines(stage, total_steps)  # a long SFT shows where it is, whatever stdout is
     model.train()
     for epoch in range(epochs):
-        with phase(f"epoch {epoch + 1}/{epochs}"):  # a long SFT shows where it is (lmppo.progress)
+        with phase(f"epoch {epoch + 1}/{epochs}"):
             for batch in shuffled_batches(items, batch_size, rng):
                 loss, extras = batch_loss(batch)
                 update.step(loss)
                 history["loss"].append(loss.item())
                 for name, value in extras.items():
                     history.setdefault(name, []).append(value)
-                advance("step", len(history["loss"]), total_steps)
+                lines.batch(len(history["loss"]), history["loss"][-1])
     model.eval()
     return {**history, "steps": len(history["loss"]), "time_s": time.perf_counter() - start}
 

@@ -134,9 +134,16 @@ class RewardGate(Section):
     below: float = Field(description="raw score under which a row gets the gating component's score alone")
 
 
+NO_SINGLE_SOURCE = (
+    "set exactly one of reward.model (a reward model), reward.function ('module:fn') or reward.url (a reward "
+    "server), or a list of reward.components"
+)
+
+
 class RewardConfig(RewardSource):
     """The reward: one source (``model`` or ``function``, with its preprocessing here), or ``components``,
-    several weighted sources each with its own preprocessing (and an optional ``gate``)."""
+    several weighted sources each with its own preprocessing (and an optional ``gate``); or none, when an
+    environment's turn rewards are the whole reward (:func:`lmppo.inputs.resolve.check_reward_source`)."""
 
     components: list[RewardComponent] = []
     gate: RewardGate | None = None
@@ -152,11 +159,8 @@ class RewardConfig(RewardSource):
     @model_validator(mode="after")
     def _one_shape(self) -> RewardConfig:
         if not self.components:
-            if self.source_count != 1:
-                raise ValueError(
-                    "set exactly one of reward.model (a reward model), reward.function ('module:fn') or "
-                    "reward.url (a reward server), or a list of reward.components"
-                )
+            if self.source_count > 1:
+                raise ValueError(NO_SINGLE_SOURCE)
             if self.gate is not None:
                 raise ValueError("reward.gate picks between reward.components; list the components first")
             return self
@@ -179,12 +183,25 @@ class RewardConfig(RewardSource):
         return self
 
     @property
+    def configured(self) -> bool:
+        """Whether a reward source is set; without one the final reward is 0 (an environment's alone)."""
+        return bool(self.components) or self.source_count == 1
+
+    @property
     def learned(self) -> bool:
         """Whether reward models give the whole score: its words are then "RM score", else "reward"."""
-        return all(source.model is not None for source in self.sources())
+        return self.configured and all(source.model is not None for source in self.sources())
+
+    def score_name(self, episodes: bool) -> str:
+        """The reward's name in displays: "environment reward" with no source, "RM score" when reward models
+        give all of it (no environment adding turn rewards), else "reward"."""
+        if not self.configured:
+            return "environment reward"
+        return "RM score" if self.learned and not episodes else "reward"
 
     def sources(self) -> list[RewardComponent]:
-        """The components; the one-source shorthand is one component named "reward" of weight 1."""
-        if self.components:
+        """The components; the one-source shorthand is one component named "reward" of weight 1; none
+        without a source."""
+        if self.components or not self.configured:
             return list(self.components)
         return [RewardComponent(name="reward", **{key: getattr(self, key) for key in SOURCE_KEYS})]

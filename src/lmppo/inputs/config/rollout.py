@@ -116,6 +116,25 @@ class RolloutConfig(Section):
         description="environment: the tokens after the prompt per episode at most, actions and context; "
         "null = max_turns x max_new_tokens",
     )
+    tools: list[str] = Field(
+        [],
+        description="tools the policy may call, each 'path/to/file.py:function' or 'module:function' (its JSON "
+        "schema from its type hints and docstring), 'mcp:<command>' (an MCP server over stdio) or an MCP "
+        "server's http(s) URL (streamable HTTP): their schemas reach the model through its chat template "
+        "(tools=), and a ToolEnvironment answers the calls (docs/multiturn.md)",
+    )
+    environment_workers: int = Field(
+        32,
+        gt=0,
+        description="environment: resets and steps of one turn run concurrently, at most this many at once "
+        "(async environments on an event loop, plain ones on threads)",
+    )
+    environment_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="environment: seconds an environment's reset or step may take; one that overruns ends its "
+        "episode as truncated (episode/timeouts), and a turn where more than half overrun stops the run",
+    )
     dynamic_sampling: bool = Field(
         False,
         description="DAPO: drop the groups whose responses all scored the same (a group baseline learns "

@@ -20,7 +20,7 @@ class Config(Section):
     its own keys; :func:`lmppo.inputs.resolve.resolve` checks them against each other."""
 
     models: ModelsConfig
-    reward: RewardConfig
+    reward: RewardConfig = RewardConfig()  # none: rollout.environment's turn rewards are the whole reward
     data: DataConfig
     rollout: RolloutConfig = RolloutConfig()
     ppo: PPOConfig = PPOConfig()
@@ -57,6 +57,11 @@ class SupervisedConfig(TrainingStage):
     seed: int = Field(0, description="seeds the data order and initialisation")
     output_dir: str = Field(description="where the trained model is saved")
     lora: LoraConfig = Field(LoraConfig(), description="train LoRA adapters (merged into the saved model)")
+    tools: list[str] = Field(
+        [],
+        description="sft: the PPO run's rollout.tools, their schemas rendered into every demonstration as the "
+        "run renders its prompts",
+    )
 
     @model_validator(mode="after")
     def _trains_plain_weights(self) -> SupervisedConfig:
