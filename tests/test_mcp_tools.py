@@ -34,7 +34,7 @@ def running(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie nobody has reaped yet is not)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before, or while, its stat was read
         return False
     return state not in ("Z", "X")
 

@@ -64,6 +64,8 @@ def test_the_tools_quickstart_trains_and_evaluates_whole_episodes(tmp_path):
     sft, ppo = summary["policies"]["SFT"], summary["policies"]["PPO"]
     assert summary["score"] == "reward" and sft["eval/episode/turns"] >= 1
     assert {"eval/episode/tool_calls", "eval/episode/tool_failures", "eval/reward/turn"} <= set(ppo)
+    assert ppo["eval/episode/timeouts"] == 0
+    assert ppo["eval/reward/total"] == pytest.approx(ppo["eval/reward/rm_score"] + ppo["eval/reward/turn"])
     run_dir = tmp_path / "qs" / "ppo"
     assert not (tmp_path / "qs" / "rm").exists() and not (run_dir / "rm_eval.json").exists()
     rows = json.loads((run_dir / "eval.json").read_text())["policies"]["PPO"]["rows"]

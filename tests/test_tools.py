@@ -125,10 +125,17 @@ def test_smollm2s_template_gets_the_schemas_in_a_system_message(tools_file):
     from lmppo.modeling.loading import cache_gguf_as_transformers
 
     smollm2 = AutoTokenizer.from_pretrained(cache_gguf_as_transformers(smollm2_gguf(), CACHE_DIR))
-    schemas = open_toolbox([f"{tools_file}:add"], timeout_s=5.0).schemas()
-    rendered = render_chat(
-        smollm2, [{"role": "user", "content": "hi"}], None, add_generation_prompt=True, tools=schemas
+    toolbox = open_toolbox([f"{tools_file}:add"], timeout_s=5.0)
+    schemas, function = toolbox.schemas(), toolbox.sources[f"{tools_file}:add"].tool.function
+    user = {"role": "user", "content": "hi"}
+    rendered = render_chat(smollm2, [user], None, add_generation_prompt=True, tools=schemas)
+    # the template's own rendering, called directly with the function: it ignores tools=, so the schemas
+    # (transformers' own, from the function's hints and docstring) come as the system message
+    system = {"role": "system", "content": tools_system_text(schemas)}
+    direct = smollm2.apply_chat_template(
+        [system, user], tools=[function], add_generation_prompt=True, tokenize=False
     )
+    assert rendered == direct and '"description": "the first number"' in rendered
     assert rendered.startswith("<|im_start|>system\n" + tools_system_text(schemas) + "<|im_end|>")
     assert "named SmolLM" not in rendered  # the template's default system message is replaced, not doubled
 
@@ -277,3 +284,18 @@ def test_a_bad_tools_spec_stops_the_run_before_any_model_loads(run_files, tools_
     assert run_cli("plan", str(run_files)) == 2  # resolve's check: no model is loaded
     err = capsys.readouterr().err
     assert "rollout.tools" in err and ":undocumented" in err and "Traceback" not in err
+
+
+def test_tools_beside_an_environment_that_cannot_answer_them_are_refused_by_the_plan(
+    run_files, tools_file, capsys
+):
+    """Before any model loads: the plan renders the prompts with the run's environment and tool schemas."""
+    config = yaml.safe_load(run_files.read_text())
+    config["rollout"] |= {
+        "tools": [f"{tools_file}:add"],
+        "environment": "lmppo.sampling.environments:SingleTurn",
+    }
+    run_files.write_text(yaml.safe_dump(config))
+    assert run_cli("plan", str(run_files)) == 2
+    err = capsys.readouterr().err
+    assert "SingleTurn is not a lmppo.sampling.environments.ToolEnvironment" in err and "Traceback" not in err

@@ -212,10 +212,13 @@ def episode_budget(cfg: Config, answers: StarterAnswers, prompts: list) -> dict[
     longest = max(len(render_query_ids(tokenizer, prompt, tools=tools)) for prompt in prompts)
     room = context - longest
     if room < MIN_EPISODE_TOKENS:
+        bare = max(len(render_query_ids(tokenizer, prompt)) for prompt in prompts) if tools else longest
+        schemas = f", {longest - bare} of them the tool schemas" if tools else ""
         raise LmppoError(
-            f"the longest prompt renders to {longest} tokens of the policy's {context}-token context window "
-            f"(tool schemas included), leaving {room} for an episode's turns; shorten the prompts (or use a "
-            "model with a longer window)"
+            f"the longest prompt renders to {longest} tokens{schemas}, of the policy's {context}-token context "
+            f"window, leaving {room} for an episode's turns; shorten the prompts"
+            + (" or the tools' docstrings, name fewer tools" if tools else "")
+            + " (or use a model with a longer window)"
         )
     new = min(cfg.rollout.max_new_tokens, room)
     turns = max(1, min(DEFAULT_TURNS, room // new))

@@ -340,6 +340,12 @@ def run_environment(cfg: Config, tokenizer) -> tuple[type, list[dict] | None]:
     return with_toolbox(environment, toolbox, tokenizer), toolbox.schemas()
 
 
+def run_tool_schemas(cfg: Config, tokenizer) -> list[dict] | None:
+    """The schemas every rendering of the run carries (None without ``rollout.tools``), the environment
+    checked to answer them; the toolbox (its MCP servers) started once per process."""
+    return run_environment(cfg, tokenizer)[1] if episode_environment(cfg) is not None else None
+
+
 _TOOLBOXES: dict[tuple[tuple[str, ...], float], Toolbox] = {}  # one per process and rollout.tools
 
 

@@ -12,7 +12,7 @@ Metrics are the training metrics' names under ``eval/`` (docs/metrics.md): ``eva
 ``eval/response/eos_frac``; with ``reward.components``, ``eval/reward/<name>/raw`` per component; with
 episodes, ``eval/reward/turn`` (the environment's rewards), ``eval/reward/total`` (the reward: the score plus
 the turn rewards, what the table and the win rate judge by) and ``eval/episode/{turns,tool_calls,
-tool_failures}``; and
+tool_failures,timeouts}``; and
 ``eval/gold_score`` (when a gold judge is given), ``eval/demo_ppl``
 (perplexity of held-out demonstrations: the alignment tax) and, from :func:`compare_policies`,
 ``eval/win_rate`` (against the baseline policy on the same prompts).
@@ -66,6 +66,7 @@ ROW_METRICS = {
     "turns": "eval/episode/turns",
     "tool_calls": "eval/episode/tool_calls",
     "tool_failures": "eval/episode/tool_failures",
+    "timeouts": "eval/episode/timeouts",
 }
 # (metric, column label) of the comparison table; "{baseline}", "{judge}" and "{score}" are filled in.
 SUMMARY_COLUMNS = (

@@ -24,12 +24,20 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from lmppo.errors import LmppoError, with_context
 from lmppo.inputs.config import Config, ModelSource, load_config
 from lmppo.inputs.data import load_prompts, render_query_ids
-from lmppo.inputs.resolve import EngineSpec, RoleSpec, RunSpec, check_batches, frozen_sections, resolve
+from lmppo.inputs.resolve import (
+    EngineSpec,
+    RoleSpec,
+    RunSpec,
+    check_batches,
+    frozen_sections,
+    resolve,
+)
 from lmppo.modeling.loading import DTYPES, load_model_config, load_tokenizer, resolve_source, weight_files
 from lmppo.modeling.lora import with_lora
 from lmppo.modeling.models import make_value_model
 from lmppo.modeling.quantize import QUANTIZED_BYTES, quantizable_linears
 from lmppo.progress import size
+from lmppo.runs.build import run_tool_schemas
 from lmppo.sampling.prompts import prompt_room
 
 GIB = 2**30
@@ -372,10 +380,14 @@ def longest_prompt(cfg: Config) -> int:
         return cfg.data.max_prompt_length
     tokenizer = load_tokenizer(cfg.models.policy)
     prompts = load_prompts(cfg.data.prompts, cfg.data.split, cfg.data.prompt_key)
+    # the run's environment, checked before any model loads, and the schemas of its tools (MCP servers
+    # started, once per process), which every prompt carries
+    tools = run_tool_schemas(cfg, tokenizer)
     if cfg.data.raw_prompts:
         lengths = [len(tokenizer(str(p))["input_ids"]) for p in prompts]
     else:
-        lengths = [len(render_query_ids(tokenizer, p, cfg.models.policy.chat_template)) for p in prompts]
+        template = cfg.models.policy.chat_template
+        lengths = [len(render_query_ids(tokenizer, p, template, tools=tools)) for p in prompts]
     return max(lengths, default=1)
 
 

@@ -43,7 +43,7 @@ from lmppo.modeling.distributed import (
 )
 from lmppo.modeling.models import PPOModels, keep_freed_heap_memory
 from lmppo.progress import ProgressDisplay, advance, phase
-from lmppo.runs.build import build_trainer, load_models
+from lmppo.runs.build import build_trainer, load_models, run_tool_schemas
 from lmppo.runs.checkpoint import (
     CHECKPOINTS_DIR,
     MANIFEST_FILE,
@@ -646,8 +646,11 @@ def ptx_batches(
     examples = [{"prompt": p, "response": r} for p, r in load_demonstrations(cfg.data.ptx_demonstrations)]
     rng = random.Random(rank_seed(cfg.run.seed, rank))  # each rank its own demonstrations
 
+    rendering = {"chat_template": cfg.models.policy.chat_template, "tools": run_tool_schemas(cfg, tokenizer)}
+
     def next_batch() -> dict[str, torch.Tensor]:
-        batch = sft_batch(tokenizer, rng.sample(examples, min(cfg.ppo.ptx_batch_size, len(examples))))
+        chosen = rng.sample(examples, min(cfg.ppo.ptx_batch_size, len(examples)))
+        batch = sft_batch(tokenizer, chosen, **rendering)  # rendered as the run's prompts are
         return {k: v.to(device) for k, v in batch.items()}
 
     return next_batch
