@@ -343,7 +343,7 @@ def run_environment(cfg: Config, tokenizer) -> tuple[type, list[dict] | None]:
 def run_tool_schemas(cfg: Config, tokenizer) -> list[dict] | None:
     """The schemas every rendering of the run carries (None without ``rollout.tools``), the environment
     checked to answer them; the toolbox (its MCP servers) started once per process."""
-    return run_environment(cfg, tokenizer)[1] if episode_environment(cfg) is not None else None
+    return run_environment(cfg, tokenizer)[1] if cfg.rollout.tools else None
 
 
 _TOOLBOXES: dict[tuple[tuple[str, ...], float], Toolbox] = {}  # one per process and rollout.tools
