@@ -7,8 +7,17 @@ import argparse
 import os
 
 import anyio
-from mcp.server.mcpserver import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
+
+try:
+    from mcp.server.mcpserver import MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    MCP_1 = False
+except ImportError:  # mcp 1 (which openenv's fastmcp pins), where the server was called FastMCP
+    from mcp.server.fastmcp import FastMCP as MCPServer
+    from mcp.server.fastmcp.exceptions import ToolError
+
+    MCP_1 = True
 
 server = MCPServer("lmppo-test", log_level="WARNING")
 
@@ -51,5 +60,8 @@ if __name__ == "__main__":
     port = parser.parse_args().port
     if port is None:
         server.run()
+    elif MCP_1:  # its run takes no port: the server's settings hold it
+        server.settings.port = port
+        server.run("streamable-http")
     else:
         server.run("streamable-http", port=port)

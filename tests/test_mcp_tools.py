@@ -194,14 +194,17 @@ def test_a_spec_that_names_no_server_is_a_clear_error(spec):
 
 
 def test_an_answer_is_its_text_content_with_other_content_as_placeholders():
-    from mcp.types import CallToolResult, ImageContent, TextContent
+    from mcp.types import CallToolResult
 
-    image = ImageContent(type="image", data="aGk=", mime_type="image/png")
-    result = CallToolResult(content=[TextContent(type="text", text="a cat"), image])
-    assert _answer("draw", result) == "a cat\n[image content: image/png]"
-    assert _answer("count", CallToolResult(content=[], structured_content={"n": 3})) == '{"n": 3}'
+    def result(**fields):  # the wire's camelCase names: mcp 1.x and 2.x name the Python fields differently
+        return CallToolResult.model_validate(fields)
+
+    image = {"type": "image", "data": "aGk=", "mimeType": "image/png"}
+    drawn = result(content=[{"type": "text", "text": "a cat"}, image])
+    assert _answer("draw", drawn) == "a cat\n[image content: image/png]"
+    assert _answer("count", result(content=[], structuredContent={"n": 3})) == '{"n": 3}'
     with pytest.raises(McpToolError, match="the tool 'draw' failed without a message"):
-        _answer("draw", CallToolResult(content=[], is_error=True))
+        _answer("draw", result(content=[], isError=True))
 
 
 def test_without_the_sdk_the_error_names_the_extra(monkeypatch):

@@ -650,7 +650,7 @@ def check_episodes(cfg: Config) -> None:
     that import (before any model loads; a module is imported once per process), chat prompts (an
     environment's messages go through the chat template), and room for a turn in the episode's budget."""
     if cfg.rollout.environment is not None:
-        load_function(cfg.rollout.environment, "rollout.environment", kind="Class")
+        check_environment_source(cfg.rollout.environment)
     check_tools(cfg)
     if cfg.data.raw_prompts:
         key = "rollout.environment" if cfg.rollout.environment is not None else "rollout.tools"
@@ -663,6 +663,25 @@ def check_episodes(cfg: Config) -> None:
             f"rollout.max_total_tokens={cfg.rollout.max_total_tokens} is below rollout.max_new_tokens="
             f"{cfg.rollout.max_new_tokens}, so not even one turn fits; raise it or leave it unset"
         )
+
+
+# rollout.environment specs served by an ecosystem package: prefix -> (its module, the lmppo extra)
+ENVIRONMENT_PACKAGES = {"openenv:": ("openenv", "openenv"), "textarena:": ("textarena", "textarena")}
+
+
+def check_environment_source(spec: str) -> None:
+    """``rollout.environment`` before any model loads: a user's class imports; a package's environment
+    (``openenv:URL``, ``textarena:GAME``) has its package installed (the environment itself is made when the
+    run builds its generator)."""
+    for prefix, (module, extra) in ENVIRONMENT_PACKAGES.items():
+        if spec.startswith(prefix):
+            if importlib.util.find_spec(module) is None:
+                raise LmppoError(
+                    f"rollout.environment {spec!r} needs the {module} package, which is not installed: "
+                    f"`pip install 'lmppo[{extra}]'`, or name another environment"
+                )
+            return
+    load_function(spec, "rollout.environment", kind="Class")
 
 
 def check_tools(cfg: Config) -> None:

@@ -459,6 +459,43 @@ def check_rm(
     print(f"- {bias}" if bias else "no length or EOS bias past the diagnosis thresholds")
 
 
+data_app = typer.Typer(help="Prompt files from tasks users already have.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("reasoning-gym")
+def data_reasoning_gym(
+    task: str = typer.Argument(..., help="A reasoning-gym task, or several joined by commas (a composite)."),
+    config: list[str] = typer.Option(
+        [], "--config", help="A task setting key=value (task.key=value in a composite); repeat for more."
+    ),
+    size: int = typer.Option(..., "--size", help="Rows to write."),
+    seed: int = typer.Option(..., "--seed", help="Seed of the rows; a held-out file takes another one."),
+    out: Path = typer.Option(..., "--out", help="The JSONL file to write."),
+) -> None:
+    """Write reasoning-gym prompt rows (scored by `rollout.environment: lmppo.rewards.tasks:ReasoningGym`)."""
+    from lmppo.inputs.tasks import reasoning_gym_rows, write_rows
+
+    write_rows(reasoning_gym_rows(task, config, size, seed), out)
+    console.print(f"{out}: {size} rows of {task}, seed {seed}")
+
+
+@data_app.command("textarena")
+def data_textarena(
+    game: str = typer.Argument(..., help="A textarena game id, e.g. TicTacToe-v0."),
+    size: int = typer.Option(..., "--size", help="Rows (games) to write."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the games; a held-out file takes another one."),
+    out: Path = typer.Option(..., "--out", help="The JSONL file to write."),
+) -> None:
+    """Write textarena prompt rows: each game's first observation and its game_seed (played by
+    `rollout.environment: textarena:GAME`)."""
+    from lmppo.inputs.tasks import write_rows
+    from lmppo.sampling.textarena_envs import textarena_rows
+
+    write_rows(textarena_rows(game, size, seed), out)
+    console.print(f"{out}: {size} games of {game}, seed {seed}")
+
+
 @app.command()
 def diagnose(run_dir: Path = typer.Argument(..., help="A run directory (holds metrics.jsonl).")) -> None:
     """Read a run's metrics against the known PPO failure modes: evidence, likely cause, what to change."""

@@ -18,6 +18,7 @@ error message the policy reads, never a crash; a message with no call ends the e
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -130,8 +131,20 @@ def with_toolbox(environment: type, toolbox: Toolbox, tokenizer) -> type[ToolEnv
     return type(environment.__name__, (environment,), {"toolbox": toolbox, "tokenizer": tokenizer})
 
 
+# rollout.environment specs an ecosystem package serves: prefix -> the function making the environment class
+PACKAGE_ENVIRONMENTS = {
+    "openenv:": "lmppo.sampling.openenv_envs:openenv_environment",  # an OpenEnv server's URL
+    "textarena:": "lmppo.sampling.textarena_envs:textarena_environment",  # a textarena game id
+}
+
+
 def load_environment(spec: str) -> Callable[[], Environment]:
-    """The environment class ``rollout.environment`` names, checked to have ``reset`` and ``step``."""
+    """The environment class ``rollout.environment`` names, checked to have ``reset`` and ``step``: a user's
+    class, or one made for a package's environment (``openenv:URL``, ``textarena:GAME-ID``)."""
+    for prefix, maker in PACKAGE_ENVIRONMENTS.items():
+        if spec.startswith(prefix):
+            module, _, function = maker.partition(":")
+            return getattr(importlib.import_module(module), function)(spec[len(prefix) :])
     environment = load_function(spec, "rollout.environment", kind="Class")
     if not isinstance(environment, type) or not all(
         callable(getattr(environment, name, None)) for name in ("reset", "step")

@@ -132,7 +132,7 @@ class McpSource:
             connection = self._connection
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    result = await connection.session.call_tool(name, arguments)
+                    result = await _while_open(connection, connection.session.call_tool(name, arguments))
             except TimeoutError:
                 raise McpToolError(f"the tool {name!r} did not answer within {self.timeout_s:g} s") from None
             except Exception as err:
@@ -146,7 +146,7 @@ class McpSource:
         """Whether the server still answers: a failed call is the server's answer or its death."""
         try:
             async with asyncio.timeout(self.timeout_s):
-                await connection.session.send_ping()
+                await _while_open(connection, connection.session.send_ping())
         except Exception:
             return False
         return True
@@ -258,6 +258,19 @@ async def _cancel_tasks() -> None:
         task.cancel()
     if tasks:
         await asyncio.wait(tasks)
+
+
+async def _while_open(connection: _Connection, request) -> Any:
+    """``request``'s result, or ConnectionError when the connection ends first: on mcp 1.x a request whose
+    HTTP transport broke waits forever (the session's "connection closed" answer is cancelled with it)."""
+    answer = asyncio.ensure_future(request)
+    try:
+        await asyncio.wait({answer, connection.task}, return_when=asyncio.FIRST_COMPLETED)
+        if not answer.done():
+            raise ConnectionError("the connection to the MCP server closed")
+        return answer.result()
+    finally:
+        answer.cancel()  # a no-op once it is done; else (closed, timed out) nobody waits for it
 
 
 async def _shut(connection: _Connection) -> None:
